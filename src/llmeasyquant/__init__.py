@@ -1,0 +1,43 @@
+"""LLMEasyQuant: quantize large language models into real integer layers and measure what it cost and bought."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from llmeasyquant.api import quantize
+from llmeasyquant.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    LLMEasyQuantError,
+    ModelLoadError,
+    OutputExistsError,
+)
+from llmeasyquant.export.checkpoint import load, save
+from llmeasyquant.methods import RTN
+from llmeasyquant.models.load import load_model
+from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.plan import Plan, Rule
+from llmeasyquant.runs import compare, evaluate
+from llmeasyquant.scheme import (
+    W4A8_G128,
+    W4A16_G64,
+    W4A16_G128,
+    W8A8,
+    W8A16,
+    ActScheme,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    PerToken,
+    QuantScheme,
+    make_scheme,
+    parse_scheme,
+)
+
+__all__ = [
+    "RTN", "W4A8_G128", "W4A16_G64", "W4A16_G128", "W8A8", "W8A16", "ActScheme", "CheckpointError", "ConfigError",
+    "DataError", "LLMEasyQuantError", "ModelLoadError", "OutputExistsError", "PerChannel", "PerGroup", "PerTensor",
+    "PerToken", "Plan", "QuantLinear", "QuantScheme", "Rule", "__version__", "compare", "evaluate", "load",
+    "load_model", "make_scheme", "parse_scheme", "quantize", "save",
+]

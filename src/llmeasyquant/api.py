@@ -1,0 +1,98 @@
+"""quantize(): resolve the plan, run the recipe block by block, quantize named layers outside the blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from llmeasyquant.calibration.sequential import BlockReport, run_sequential
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.methods.base import Method, rtn_quant_linear
+from llmeasyquant.models.arch import arch_for, get_module, set_module
+from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.plan import Plan
+from llmeasyquant.scheme import QuantScheme
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class QuantizationInfo:
+    """Attached to a quantized model as `model.llmeasyquant`; the checkpoint stores it."""
+
+    recipe: list[dict]  # each method's name and options
+    plan: dict
+    float_dtype: str  # storage type of the tensors left unquantized: "float16" or "float32"
+    source: str | None
+    quantize_s: float = 0.0
+    blocks: list[BlockReport] = field(default_factory=list)
+
+
+def _check_recipe(recipe: Sequence[Method]) -> None:
+    if not recipe:
+        raise ConfigError("the recipe is empty; give at least one quantizer, e.g. [RTN()]")
+    kinds = [getattr(m, "kind", None) for m in recipe]
+    if any(k not in ("transform", "quantizer") for k in kinds):
+        raise ConfigError(f"a recipe holds method objects such as RTN(); got {list(recipe)!r}")
+    if kinds.count("quantizer") != 1 or kinds[-1] != "quantizer":
+        raise ConfigError("a recipe is transforms followed by exactly one quantizer, e.g. [SmoothQuant(), RTN()]")
+
+
+def round_unquantized_to_fp16(model: nn.Module) -> None:
+    """Round what stays float (embeddings, norms, biases) to fp16 values, in place and in fp32 storage.
+
+    The checkpoint stores these in 16 bits; rounding here makes the model in memory evaluate exactly as the
+    checkpoint will. A tensor that would overflow fp16 keeps its fp32 values.
+    """
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if not tensor.is_floating_point() or tensor.dtype == torch.float16 or name.endswith("inv_freq"):
+            continue
+        rounded = tensor.detach().to(torch.float16)
+        if not torch.isfinite(rounded).all() and torch.isfinite(tensor).all():
+            log.warning("%s does not fit in fp16; it is kept in fp32", name)
+            continue
+        with torch.no_grad():
+            tensor.copy_(rounded.to(tensor.dtype))
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | QuantScheme,
+             calib: torch.Tensor | None = None, keep_fp32: bool = False, progress: bool = True) -> nn.Module:
+    """Quantize `model` in place and return it.
+
+    `recipe` is a method or a list (transforms, then one quantizer); `plan` a Plan or one scheme for every linear
+    layer in the blocks; `calib` token ids [samples, seqlen] for methods that need calibration.
+    """
+    recipe = [recipe] if not isinstance(recipe, Sequence) else list(recipe)
+    _check_recipe(recipe)
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise ConfigError("this model is quantized already; load the unquantized model to quantize it again")
+    plan = Plan.uniform(plan) if isinstance(plan, QuantScheme) else plan
+    arch = arch_for(model)
+    resolved = plan.resolve(model)
+    if not resolved:
+        raise ConfigError("the plan selects no linear layer of this model; check its patterns")
+    start = time.perf_counter()
+    reports = run_sequential(model, recipe, resolved, calib, progress)
+    # Layers outside the blocks (an LM head a rule names) are rounded to nearest: no block sees them.
+    for name, scheme in resolved.items():
+        if not name.startswith(arch.blocks + "."):
+            module = get_module(model, name)
+            if name == arch.lm_head and getattr(model.config, "tie_word_embeddings", False):
+                model.config.tie_word_embeddings = False  # the head gets its own integer copy
+            set_module(model, name, rtn_quant_linear(module, scheme, name))
+    if not keep_fp32:
+        round_unquantized_to_fp16(model)
+    elapsed = time.perf_counter() - start
+    model.llmeasyquant = QuantizationInfo(
+        recipe=[{"method": m.name, **dataclasses.asdict(m)} for m in recipe], plan=plan.to_dict(),
+        float_dtype="float32" if keep_fp32 else "float16", source=getattr(model, "llmeasyquant_source", None),
+        quantize_s=elapsed, blocks=reports)
+    log.info("quantized %d layers in %.1f s", len(resolved), elapsed)
+    return model

@@ -1,0 +1,114 @@
+"""Block by block: capture a block's inputs, run the recipe on it, pass its quantized outputs to the next one.
+
+Only this module knows that a model is a stack of blocks. At most one block's calibration activations are held
+at a time, so peak memory is the model plus one block's inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from llmeasyquant.methods.base import BlockContext, Method
+from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
+from llmeasyquant.scheme import QuantScheme
+
+log = logging.getLogger(__name__)
+
+
+class _StopForward(Exception):
+    """Raised inside the first block once its inputs are captured: nothing after it needs to run."""
+
+
+@dataclass(frozen=True)
+class BlockReport:
+    index: int
+    layers: int
+    output_rel_error: float | None  # ||quantized - float|| / ||float|| on the calibration inputs, when given
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple | list) else output
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, batches: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
+    """Hidden states and keyword arguments that the model passes to its first block, one entry per batch."""
+    first = blocks_of(model)[0]
+    inputs: list[torch.Tensor] = []
+    kwargs: list[dict] = []
+
+    def grab(_module: nn.Module, args: tuple, kw: dict) -> None:
+        hidden = args[0] if args else kw.pop("hidden_states")
+        inputs.append(hidden.detach())
+        kwargs.append({k: v for k, v in kw.items() if k not in ("past_key_value", "past_key_values")})
+        raise _StopForward
+
+    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for batch in batches:
+            with contextlib.suppress(_StopForward):
+                model(batch.unsqueeze(0) if batch.dim() == 1 else batch, use_cache=False)
+    finally:
+        handle.remove()
+    return inputs, kwargs
+
+
+@torch.no_grad()
+def _run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
+    return [_first(block(x, **kw)) for x, kw in zip(inputs, kwargs, strict=True)]
+
+
+def _relative_error(quantized: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    num = sum(float((q - r).float().pow(2).sum()) for q, r in zip(quantized, reference, strict=True))
+    den = sum(float(r.float().pow(2).sum()) for r in reference)
+    return (num / den) ** 0.5 if den > 0 else 0.0
+
+
+def _block_plans(model: nn.Module, arch: ArchSpec, plan: dict[str, QuantScheme]) -> list[dict[str, QuantScheme]]:
+    prefix = arch.blocks + "."
+    per_block: list[dict[str, QuantScheme]] = [{} for _ in blocks_of(model)]
+    for name, scheme in plan.items():
+        if name.startswith(prefix):
+            index, _, rel = name[len(prefix):].partition(".")
+            per_block[int(index)][rel] = scheme
+    return per_block
+
+
+def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, QuantScheme],
+                   calib: torch.Tensor | None = None, progress: bool = True) -> list[BlockReport]:
+    """Apply `recipe` to every block in order. `calib` holds token ids [samples, seqlen] when any method needs it."""
+    arch = arch_for(model)
+    blocks = blocks_of(model)
+    per_block = _block_plans(model, arch, plan)
+    needs_data = any(m.needs_calibration for m in recipe)
+    if needs_data and calib is None:
+        names = ", ".join(m.name for m in recipe if m.needs_calibration)
+        raise ValueError(f"{names} needs calibration data; pass calib=token ids (see llmeasyquant.calibration)")
+    inputs = kwargs = None
+    if calib is not None:
+        inputs, kwargs = capture_block_inputs(model, calib)
+    reports = []
+    bar = tqdm(range(len(blocks)), desc="quantizing blocks", unit="block", disable=not progress)
+    for index in bar:
+        block = blocks[index]
+        reference = _run_block(block, inputs, kwargs) if inputs is not None else None
+        ctx = BlockContext(index=index, prefix=f"{arch.blocks}.{index}.", plan=per_block[index], arch=arch,
+                           inputs=inputs, kwargs=kwargs)
+        for method in recipe:
+            method.apply(block, ctx)
+        error = None
+        if inputs is not None:
+            inputs = _run_block(block, inputs, kwargs)  # quantized outputs feed the next block
+            error = _relative_error(inputs, reference)
+            bar.set_postfix(out_err=f"{error:.4f}")
+        reports.append(BlockReport(index=index, layers=len(per_block[index]), output_rel_error=error))
+        log.debug("block %d: %d layers quantized, output error %s", index, len(per_block[index]), error)
+    return reports

@@ -1,0 +1,183 @@
+"""llmeasyquant quantize | eval | compare: a thin layer over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llmeasyquant.errors import LLMEasyQuantError
+
+log = logging.getLogger("llmeasyquant")
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:
+    p.add_argument("--text", help="evaluation text file (default: WikiText-2 from the hub, else self-generated text)")
+    p.add_argument("--seqlen", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--max-windows", type=int, default=max_windows,
+                   help=f"evaluate the first N windows (default {max_windows or 'all'})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the result record(s) to this JSON file")
+
+
+def _add_scheme_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="rtn", help="quantization method (default rtn)")
+    p.add_argument("--bits", type=int, default=8, help="weight bits: 2, 3, 4 or 8 (default 8)")
+    p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
+    p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
+    p.add_argument("--act-bits", type=int, choices=(8, 16), default=16,
+                   help="8: dynamic per-token int8 activations (W8A8 on integer kernels); 16: float activations")
+    p.add_argument("--plan", type=Path, help="a plan JSON (per-layer schemes) instead of --bits/--group-size/--asym")
+    p.add_argument("--keep-fp32", action="store_true",
+                   help="store unquantized tensors (embeddings, norms, biases) in fp32 instead of fp16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmeasyquant", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="full tracebacks and debug logging")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a model and save the checkpoint")
+    q.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
+    _add_scheme_options(q)
+    q.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
+    q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.add_argument("--json", type=Path, help="write the result record to this JSON file")
+
+    e = sub.add_parser("eval", help="perplexity (and KL / top-1 against the unquantized model) of a checkpoint or model")
+    e.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="checkpoint folder or model spec")
+    _add_eval_options(e, None)
+    e.add_argument("--reference", help="unquantized model for KL / top-1 (default: the checkpoint's source model)")
+    e.add_argument("--no-reference", action="store_true", help="perplexity only")
+
+    c = sub.add_parser("compare", help="quantize with several schemes and print one comparison table")
+    c.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
+    c.add_argument("--schemes", default="w8a16,w8a8,w4a16-g64-asym,w4a16-g128-asym",
+                   help="comma-separated schemes such as w8a16,w8a8,w4a16-g64,w4a16-g128-asym")
+    c.add_argument("--method", default="rtn", help="quantization method (default rtn)")
+    c.add_argument("--keep-fp32", action="store_true", help="store unquantized tensors in fp32")
+    c.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")
+    _add_eval_options(c, 40)
+    return parser
+
+
+def _scheme_or_plan(args: argparse.Namespace):
+    from llmeasyquant.plan import Plan
+    from llmeasyquant.scheme import make_scheme
+
+    if args.plan is not None:
+        return Plan.load(args.plan)
+    return make_scheme(args.bits, args.group_size, not args.asym, args.act_bits)
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from llmeasyquant import load_model, quantize, save
+    from llmeasyquant.eval.report import record, write_json
+    from llmeasyquant.export.checkpoint import bits_per_weight, check_output, checkpoint_bytes
+    from llmeasyquant.methods import method_by_name
+
+    plan = _scheme_or_plan(args)
+    method = method_by_name(args.method)
+    check_output(args.out, args.force)  # fail before minutes of work, not after
+    model, tokenizer = load_model(args.model)
+    quantize(model, method, plan, keep_fp32=args.keep_fp32, progress=not args.quiet)
+    folder = save(model, args.out, tokenizer, force=args.force)
+    metrics = {"quantize_s": model.llmeasyquant.quantize_s, "checkpoint_bytes": checkpoint_bytes(folder),
+               "bits_per_weight": bits_per_weight(model)}
+    print(f"saved {folder}: {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
+          f"{metrics['bits_per_weight']:.3f} bits per quantized weight, quantized in {metrics['quantize_s']:.1f} s")
+    if args.json:
+        protocol = {"method": args.method, "plan": model.llmeasyquant.plan}
+        write_json(args.json, record("quantize", args.model, metrics, protocol))
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from llmeasyquant import evaluate, load, load_model
+    from llmeasyquant.eval.report import write_json
+    from llmeasyquant.export.checkpoint import is_checkpoint
+
+    reference = None
+    if is_checkpoint(args.model):
+        model, tokenizer = load(args.model)
+        ref_spec = args.reference or getattr(model, "llmeasyquant_source", None)
+        if not args.no_reference and ref_spec:
+            reference, ref_tokenizer = load_model(ref_spec)
+            tokenizer = tokenizer or ref_tokenizer
+        elif not args.no_reference:
+            log.warning("the checkpoint names no source model; pass --reference MODEL for KL and top-1")
+    else:
+        model, tokenizer = load_model(args.model)
+        if args.reference and not args.no_reference:
+            reference, _ = load_model(args.reference)
+    if tokenizer is None:
+        raise LLMEasyQuantError(f"{args.model} has no tokenizer files; pass --reference MODEL to borrow its tokenizer")
+    result = evaluate(model, tokenizer, args.text, args.seqlen, args.max_windows, reference, args.seed,
+                      name=str(args.model), progress=not args.quiet)
+    m, p = result["metrics"], result["protocol"]
+    line = f"ppl {m['ppl']:.4f} over {m['tokens']} tokens ({m['windows']} windows of {p['seqlen']}, {p['text_source']})"
+    if "kld" in m:
+        line += f"; reference ppl {m['ppl_reference']:.4f}, KL {m['kld']:.5f}, top-1 {100 * m['top1']:.2f}%"
+    print(line)
+    if args.json:
+        write_json(args.json, result)
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from llmeasyquant import compare, parse_scheme
+    from llmeasyquant.eval.report import format_table, write_json
+
+    schemes = [parse_scheme(s) for s in args.schemes.split(",") if s.strip()]
+    if not schemes:
+        raise LLMEasyQuantError("--schemes is empty; name at least one scheme, e.g. w8a16")
+    from llmeasyquant.methods import method_by_name
+
+    method_by_name(args.method)  # an unknown method fails now, not after loading the model
+    records = compare(args.model, schemes, args.method, args.text, args.seqlen, args.max_windows, args.keep_fp32,
+                      args.workdir, args.seed, progress=not args.quiet)
+    p = records[0]["protocol"]
+    print(f"\n{args.model}, method {args.method}: {p['windows']} windows of {p['seqlen']} tokens from "
+          f"{p['text_source']} (sha256 {p['text_sha256'][:12]}…), no BOS, {p['threads']} threads\n")
+    print(format_table([r["metrics"] for r in records]))
+    if args.json:
+        write_json(args.json, records)
+
+
+COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "compare": cmd_compare}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.debug:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    try:
+        COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("llmeasyquant: interrupted", file=sys.stderr)
+        return 130
+    except (LLMEasyQuantError, OSError, ValueError) as exc:
+        if args.debug:
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"llmeasyquant: error: {message}", file=sys.stderr)
+        return 2
+    log.debug("%s took %.1f s", args.command, time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

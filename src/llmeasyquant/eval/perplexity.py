@@ -1,0 +1,102 @@
+"""Protocol-explicit perplexity, and the window loop that also measures fidelity against a reference model.
+
+Protocol (DESIGN.md): the text is tokenized once without BOS, cut into non-overlapping windows of `seqlen`
+tokens (last partial window dropped, first `max_windows` kept); every position but the last of a window predicts
+the next token; ppl = exp(mean NLL over all predicted tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from llmeasyquant.calibration.data import TextSource, consecutive_chunks, tokenize
+from llmeasyquant.eval.fidelity import kl_sum, top1_matches
+
+
+@dataclass(frozen=True)
+class EvalWindows:
+    ids: torch.Tensor  # [windows, seqlen]
+    protocol: dict  # text_sha256, text_source, seqlen, max_windows, windows, bos, tokenizer
+
+
+def make_windows(tokenizer: object, source: TextSource, seqlen: int = 512,
+                 max_windows: int | None = None) -> EvalWindows:
+    if max_windows is not None and max_windows <= 0:
+        raise ValueError(f"max_windows must be positive, got {max_windows}")
+    ids = consecutive_chunks(tokenize(tokenizer, source.text), seqlen, max_windows)
+    protocol = {
+        "text_source": source.description, "text_sha256": source.sha256, "seqlen": seqlen,
+        "max_windows": max_windows, "windows": ids.shape[0], "bos": False,
+        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+    }
+    return EvalWindows(ids=ids, protocol=protocol)
+
+
+@dataclass
+class _Totals:
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _logits(model: nn.Module, window: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Logits [seqlen - 1, vocab] in fp32 for the positions that predict a next token, and the seconds taken."""
+    start = time.perf_counter()
+    out = model(window.unsqueeze(0), use_cache=False).logits[0, :-1].float()
+    return out, time.perf_counter() - start
+
+
+@torch.no_grad()
+def evaluate_windows(models: dict[str, nn.Module], windows: EvalWindows, reference: str | None = None,
+                     progress: bool = True) -> dict[str, dict[str, float]]:
+    """Run every model on every window. Metrics per model: ppl, nll, tokens, windows, eval_s, and, when
+    `reference` names one of `models`, kld and top1 against it."""
+    if reference is not None and reference not in models:
+        raise ValueError(f"reference {reference!r} is not among the models {list(models)}")
+    totals = {name: _Totals() for name in models}
+    bar = tqdm(windows.ids, desc="evaluating windows", unit="window", disable=not progress)
+    for window in bar:
+        targets = window[1:]
+        ref_logits = ref_logprobs = None
+        if reference is not None:
+            ref_logits, seconds = _logits(models[reference], window)
+            ref_logprobs = torch.log_softmax(ref_logits, dim=-1)
+            totals[reference].seconds += seconds
+        for name, model in models.items():
+            if name == reference:
+                logits, logprobs = ref_logits, ref_logprobs
+            else:
+                logits, seconds = _logits(model, window)
+                logprobs = torch.log_softmax(logits, dim=-1)
+                totals[name].seconds += seconds
+            t = totals[name]
+            t.nll -= float(logprobs.gather(-1, targets[:, None]).sum())
+            t.tokens += targets.numel()
+            if ref_logprobs is not None:
+                t.kl += kl_sum(ref_logprobs, logprobs)
+                t.top1 += top1_matches(ref_logits, logits)
+        if reference is None and len(models) == 1:
+            only = next(iter(totals.values()))
+            bar.set_postfix(ppl=f"{math.exp(only.nll / only.tokens):.3f}")
+    results = {}
+    for name, t in totals.items():
+        metrics = {"ppl": math.exp(t.nll / t.tokens), "nll": t.nll / t.tokens, "tokens": t.tokens,
+                   "windows": int(windows.ids.shape[0]), "eval_s": t.seconds}
+        if reference is not None:
+            metrics["kld"] = t.kl / t.tokens
+            metrics["top1"] = t.top1 / t.tokens
+        results[name] = metrics
+    return results
+
+
+def perplexity(model: nn.Module, windows: EvalWindows, progress: bool = True) -> dict[str, float]:
+    return evaluate_windows({"model": model}, windows, progress=progress)["model"]

@@ -1,0 +1,202 @@
+"""Our checkpoint: safetensors + config.json + quantization_config.json (+ tokenizer files).
+
+Written to a temporary folder beside the target and renamed when complete; an existing folder is replaced only
+with `force=True`. Loading never unpickles: tensors come from safetensors, settings from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from llmeasyquant.errors import CheckpointError, ConfigError, OutputExistsError
+from llmeasyquant.models.arch import get_module, linear_weight, set_module
+from llmeasyquant.models.load import no_init_weights
+from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.scheme import QuantScheme
+
+log = logging.getLogger(__name__)
+
+FORMAT = "llmeasyquant"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+QCONFIG_FILE = "quantization_config.json"
+
+
+def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def _state_without_aliases(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, dict[str, str]]:
+    """State dict with tied tensors stored once ({dropped name: kept name}) and float tensors cast for storage."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        if tensor.is_floating_point() and tensor.dtype != torch.float16:
+            tensor = tensor.to(float_dtype)
+        tensors[name] = tensor.detach().contiguous()
+    return tensors, aliases
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished `tmp` to `out`; an old `out` is removed only after the new one is in place."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_output(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise OutputExistsError(f"{out} exists already; choose another path or pass --force to replace it")
+
+
+def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None, force: bool = False) -> Path:
+    """Write a quantized model (from `quantize`) as a checkpoint folder; returns its path."""
+    info = getattr(model, "llmeasyquant", None)
+    layers = quantized_layers(model)
+    if info is None or not layers:
+        raise ConfigError("this model is not quantized; run llmeasyquant.quantize() on it before saving")
+    out = Path(out_dir).expanduser()
+    check_output(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    float_dtype = torch.float16 if info.float_dtype == "float16" else torch.float32
+    tensors, aliases = _state_without_aliases(model, float_dtype)
+    qconfig = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "float_dtype": info.float_dtype,
+        "source_model": info.source, "recipe": info.recipe, "plan": info.plan, "tied": aliases,
+        "layers": {name: layer.scheme.to_dict() for name, layer in layers.items()},
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "producer": FORMAT})
+        (tmp / "config.json").write_text(model.config.to_json_string())
+        (tmp / QCONFIG_FILE).write_text(json.dumps(qconfig, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("saved %d quantized layers to %s", len(layers), out)
+    return out
+
+
+def _read_qconfig(path: Path) -> dict:
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint folder at {path}; check the path")
+    qfile = path / QCONFIG_FILE
+    if not qfile.is_file():
+        raise CheckpointError(f"{path} has no {QCONFIG_FILE}; it is not an llmeasyquant checkpoint")
+    try:
+        qconfig = json.loads(qfile.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{qfile} is corrupt (not valid JSON: {exc}); re-create the checkpoint") from exc
+    if qconfig.get("format") != FORMAT or qconfig.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{qfile} is not format {FORMAT} v{FORMAT_VERSION}; re-create the checkpoint")
+    return qconfig
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    wfile = path / WEIGHTS_FILE
+    if not wfile.is_file():
+        raise CheckpointError(f"{path} has no {WEIGHTS_FILE}; the checkpoint is incomplete")
+    try:
+        return load_file(wfile)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{wfile} is corrupt ({exc}); re-create the checkpoint") from exc
+
+
+def _compatible(stored: torch.Tensor, wanted: torch.Tensor) -> bool:
+    """Same shape, and the same integer type (float tensors may be stored in another float width)."""
+    if stored.shape != wanted.shape or stored.is_floating_point() != wanted.is_floating_point():
+        return False
+    return stored.is_floating_point() or stored.dtype == wanted.dtype
+
+
+def _check_match(model: nn.Module, tensors: dict[str, torch.Tensor], tied: dict[str, str], path: Path) -> None:
+    expected = {k: v for k, v in model.state_dict().items() if k not in tied}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [f"{k} {tensors[k].dtype}{tuple(tensors[k].shape)} != {v.dtype}{tuple(v.shape)}"
+             for k, v in expected.items() if k in tensors and not _compatible(tensors[k], v)]
+    if missing or unexpected or wrong:
+        details = "; ".join(filter(None, [
+            f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
+            f"mismatched {wrong[:3]}" if wrong else ""]))
+        raise CheckpointError(f"{path} does not match its configuration ({details}); re-create the checkpoint")
+
+
+def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object | None]:
+    """Rebuild a quantized model from a checkpoint folder; returns (model, tokenizer or None)."""
+    path = Path(path).expanduser()
+    qconfig = _read_qconfig(path)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        schemes = {name: QuantScheme.from_dict(s) for name, s in qconfig["layers"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} has an unreadable configuration ({exc}); re-create the checkpoint") from exc
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, scheme in schemes.items():
+        try:
+            module = get_module(model, name)
+        except AttributeError as exc:
+            raise CheckpointError(f"{path} names layer {name!r}, which this model does not have") from exc
+        out_features, in_features = linear_weight(module).shape
+        has_bias = getattr(module, "bias", None) is not None
+        set_module(model, name, QuantLinear(in_features, out_features, scheme, has_bias, dtype))
+    tensors = _read_tensors(path)
+    tied = qconfig.get("tied", {})
+    _check_match(model, tensors, tied, path)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    model.load_state_dict(state, strict=False)
+    for alias, kept in tied.items():  # tie the same way the saved model was tied
+        parent, _, leaf = alias.rpartition(".")
+        kept_parent, _, kept_leaf = kept.rpartition(".")
+        setattr(get_module(model, parent), leaf, getattr(get_module(model, kept_parent), kept_leaf))
+    model.eval()
+    model.llmeasyquant_source = qconfig.get("source_model")
+    from llmeasyquant.api import QuantizationInfo
+
+    model.llmeasyquant = QuantizationInfo(recipe=qconfig.get("recipe", []), plan=qconfig.get("plan", {}),
+                                          float_dtype=qconfig["float_dtype"], source=qconfig.get("source_model"))
+    tokenizer = None
+    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path).expanduser() / QCONFIG_FILE).is_file()
+
+
+def checkpoint_bytes(path: str | Path) -> int:
+    """Bytes on disk of every file in the checkpoint folder."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    """Stored bits (codes, scales, zero points) per quantized weight, over all quantized layers."""
+    layers = quantized_layers(model).values()
+    weights = sum(layer.in_features * layer.out_features for layer in layers)
+    return 8 * sum(layer.storage_bytes() for layer in layers) / weights if weights else float("nan")

@@ -1,0 +1,42 @@
+"""Kernel registry: an explicit table from device type to the kernels tried in order, then the reference.
+
+`LLMEASYQUANT_KERNEL=reference` (or a kernel's name) forces one kernel everywhere; `layer.kernel_name` forces
+one for a single layer. A forced kernel that cannot run the layer is an error, not a silent fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel, Int8DynamicActKernel, Int8WeightOnlyKernel
+from llmeasyquant.kernels.reference import ReferenceKernel
+
+log = logging.getLogger(__name__)
+
+REFERENCE = ReferenceKernel()
+KERNELS_BY_DEVICE: dict[str, list[Any]] = {
+    "cpu": [Int8DynamicActKernel(), Int8WeightOnlyKernel(), Int4WeightOnlyKernel()],
+}
+ALL_KERNELS = {k.name: k for kernels in KERNELS_BY_DEVICE.values() for k in kernels} | {REFERENCE.name: REFERENCE}
+
+
+def select(layer) -> Any:
+    """The kernel that will run `layer` on the device its buffers live on."""
+    forced = layer.kernel_name or os.environ.get("LLMEASYQUANT_KERNEL") or None
+    if forced:
+        if forced not in ALL_KERNELS:
+            raise ConfigError(f"unknown kernel {forced!r}; choose one of {', '.join(sorted(ALL_KERNELS))}")
+        kernel = ALL_KERNELS[forced]
+        if not kernel.supports(layer):
+            raise ConfigError(f"kernel {forced!r} cannot run a {layer.scheme.name} layer of width "
+                              f"{layer.in_features}; unset the forced kernel to let the registry choose")
+        return kernel
+    for kernel in KERNELS_BY_DEVICE.get(layer.qweight.device.type, []):
+        if kernel.supports(layer):
+            return kernel
+    log.debug("no integer kernel for %s (in=%d) on %s; using the reference kernel",
+              layer.scheme.name, layer.in_features, layer.qweight.device.type)
+    return REFERENCE

@@ -1,0 +1,128 @@
+"""CPU integer kernels built on PyTorch's own int8/int4 operators.
+
+- W8A8: dynamic per-token int8 activations x int8 weights with `torch._int_mm` (int32 accumulation).
+- W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`.
+- W4A16 (and 2/3-bit codes, which fit a nibble): `aten._weight_int4pack_mm_for_cpu` with bf16 activations.
+  That operator needs the input width divisible by the group size; a partial last group is handled by
+  zero-padding the input.
+
+The weight-only operators take their 16-bit activations as bf16: with fp32 inputs PyTorch 2.13 runs a scalar
+path 30-100x slower than the fp32 matmul, with bf16 a vectorised one (measured in benchmarks/kernels.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmeasyquant.primitives import choose_qparams, quantize
+from llmeasyquant.scheme import PerChannel, PerTensor, PerToken
+
+_INT4_GROUPS = (32, 64, 128, 256)
+
+
+def _per_row_weights(layer) -> bool:
+    return isinstance(layer.scheme.granularity, PerChannel | PerTensor) or layer.group_size == layer.in_features
+
+
+class Int8DynamicActKernel:
+    """W8A8: y = s_x * s_w * (q_x @ q_w^T - zero_w * sum(q_x)), exact integer accumulation."""
+
+    name = "cpu_int_mm_w8a8"
+
+    def supports(self, layer) -> bool:
+        act = layer.scheme.act
+        return (layer.scheme.bits == 8 and _per_row_weights(layer) and act is not None and act.symmetric
+                and isinstance(act.granularity, PerToken | PerTensor))
+
+    def prepare(self, layer) -> dict:
+        prepared = {"wt": layer.qweight.t().contiguous(), "scale": layer.scales[:, 0].float()}
+        if layer.zeros is not None:
+            prepared["zero"] = layer.zeros[:, 0].to(torch.int32)
+        return prepared
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        act = layer.scheme.act
+        qp = choose_qparams(x, act.bits, True, act.granularity, scale_dtype=None)
+        qx = quantize(x, qp, act.bits)
+        acc = torch._int_mm(qx, prepared["wt"])  # [tokens, out] int32
+        if "zero" in prepared:
+            acc = acc - qx.sum(dim=1, dtype=torch.int32)[:, None] * prepared["zero"][None, :]
+        return acc.float() * qp.scale.expand(x.shape[0], 1) * prepared["scale"][None, :]
+
+
+class Int8WeightOnlyKernel:
+    """W8A16: float activations times per-channel int8 weights, zero points folded in as a rank-1 term."""
+
+    name = "cpu_int8pack_w8a16"
+
+    def supports(self, layer) -> bool:
+        # The bf16 path of the operator crashes (segfault) on input widths that are not a multiple of 16.
+        return (layer.scheme.bits == 8 and layer.scheme.act is None and _per_row_weights(layer)
+                and layer.in_features % 16 == 0)
+
+    def prepare(self, layer) -> dict:
+        scale = layer.scales[:, 0].float()
+        # Unit scales inside the operator and the fp16 scales applied in fp32 after: bf16 would round them.
+        prepared = {"scale": scale, "ones": torch.ones_like(scale, dtype=torch.bfloat16)}
+        if layer.zeros is not None:
+            prepared["zero_times_scale"] = layer.zeros[:, 0].float() * scale
+        return prepared
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        acc = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, prepared["ones"])
+        y = acc.float() * prepared["scale"][None, :]
+        if "zero_times_scale" in prepared:
+            y = y - x.sum(dim=1, keepdim=True) * prepared["zero_times_scale"][None, :]
+        return y
+
+
+@dataclass(frozen=True)
+class _Int4Prepared:
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group: int
+    padded_in: int
+
+
+class Int4WeightOnlyKernel:
+    """W4A16: weights as (u - 8) * scale + zf with u = q + 8 and zf = -zero * scale, the operator's form."""
+
+    name = "cpu_int4pack_w4a16"
+
+    def supports(self, layer) -> bool:
+        return layer.scheme.bits <= 4 and layer.scheme.act is None and self._group(layer) is not None
+
+    @staticmethod
+    def _group(layer) -> int | None:
+        if layer.group_size in _INT4_GROUPS:
+            return layer.group_size
+        # Per-channel weights: the operator takes them as groups of 128 that repeat one scale per row.
+        return 128 if layer.group_size == layer.in_features else None
+
+    def prepare(self, layer) -> _Int4Prepared:
+        group = self._group(layer)
+        groups = -(-layer.in_features // group)
+        padded_in = groups * group
+        codes = layer.codes().to(torch.int32) + 8  # [out, in] in 0..15
+        # The operator wants out % 16 == 0: extra rows are computed and sliced away. Padded input columns
+        # meet zero-padded activations, so their weight values never contribute.
+        pad_out = -layer.out_features % 16
+        codes = torch.nn.functional.pad(codes, (0, padded_in - layer.in_features, 0, pad_out), value=8)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        repeat = groups // layer.scales.shape[1]  # 1, or the group count when one scale covers a row
+        scale = layer.scales.float().repeat_interleave(repeat, dim=1)  # [out, groups]
+        zeros = layer.zeros.float().repeat_interleave(repeat, dim=1) if layer.zeros is not None else None
+        zf = -zeros * scale if zeros is not None else torch.zeros_like(scale)
+        scale = torch.nn.functional.pad(scale, (0, 0, 0, pad_out), value=1.0)
+        zf = torch.nn.functional.pad(zf, (0, 0, 0, pad_out))
+        scales_and_zeros = torch.stack((scale.t(), zf.t()), dim=-1).to(torch.bfloat16).contiguous()
+        return _Int4Prepared(packed, scales_and_zeros, group, padded_in)
+
+    def run(self, layer, x: torch.Tensor, prepared: _Int4Prepared) -> torch.Tensor:
+        if prepared.padded_in > layer.in_features:
+            x = torch.nn.functional.pad(x, (0, prepared.padded_in - layer.in_features))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16).contiguous(), prepared.packed, prepared.group, prepared.scales_and_zeros)
+        return (y if y.shape[1] == layer.out_features else y[:, : layer.out_features]).float()

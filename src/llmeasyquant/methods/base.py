@@ -1,0 +1,43 @@
+"""What a method is: a frozen dataclass that works on one block at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from llmeasyquant.models.arch import ArchSpec, linear_weight
+from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.scheme import QuantScheme
+
+
+@dataclass
+class BlockContext:
+    """Everything a method may know about the block in hand; nothing about the rest of the model."""
+
+    index: int
+    prefix: str  # the block's dotted name plus '.', e.g. 'model.layers.3.'
+    plan: dict[str, QuantScheme]  # block-relative linear name -> scheme
+    arch: ArchSpec
+    # Calibration inputs of this block (hidden states per batch) and the keyword arguments the model passed to
+    # it; None when no method of the recipe needs calibration.
+    inputs: list[torch.Tensor] | None = None
+    kwargs: list[dict[str, Any]] | None = None
+    stats: dict[str, float] = field(default_factory=dict)  # what the method wants shown in progress
+
+
+class Method(Protocol):
+    name: ClassVar[str]
+    kind: ClassVar[str]  # "transform" (keeps float weights) or "quantizer" (swaps in QuantLinear)
+    needs_calibration: ClassVar[bool]
+
+    def apply(self, block: nn.Module, ctx: BlockContext) -> None: ...
+
+
+def rtn_quant_linear(module: nn.Module, scheme: QuantScheme, name: str) -> QuantLinear:
+    """Round-to-nearest QuantLinear from a linear-like module (nn.Linear or GPT-2's Conv1D)."""
+    weight = linear_weight(module).detach()
+    bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
+    return QuantLinear.from_weight(weight, bias, scheme, name=name)

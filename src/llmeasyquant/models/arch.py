@@ -1,0 +1,127 @@
+"""Architecture knowledge as data: one table entry per model family, keyed by `config.model_type`.
+
+Methods never ask what class a module is; they read these entries. Module paths are dotted, relative to the
+model (`blocks`, `lm_head`, ...) or to one block (attention projections, smoothing pairs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from llmeasyquant.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Where queries, keys, values and the output projection live in a block (`qkv` when fused)."""
+
+    q: str | None
+    k: str | None
+    v: str | None
+    o: str
+    qkv: str | None = None
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    family: str
+    blocks: str  # the ModuleList of transformer blocks
+    embeddings: tuple[str, ...]  # modules that run before the first block
+    final_norm: str
+    lm_head: str
+    attention: AttentionSpec
+    # (norm or linear, linears it feeds): where SmoothQuant/AWQ can fold per-channel scales.
+    smoothing: tuple[tuple[str, tuple[str, ...]], ...]
+    rotary: bool  # keys get rotary position embeddings (KV-cache quantization must act before RoPE)
+
+
+_LLAMA_LIKE = dict(
+    blocks="model.layers",
+    embeddings=("model.embed_tokens",),
+    final_norm="model.norm",
+    lm_head="lm_head",
+    attention=AttentionSpec(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
+                            o="self_attn.o_proj"),
+    smoothing=(
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    ),
+    rotary=True,
+)
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec(family="llama", **_LLAMA_LIKE),
+    "mistral": ArchSpec(family="mistral", **_LLAMA_LIKE),
+    "qwen2": ArchSpec(family="qwen2", **_LLAMA_LIKE),
+    "qwen3": ArchSpec(family="qwen3", **_LLAMA_LIKE),
+    "gpt2": ArchSpec(
+        family="gpt2",
+        blocks="transformer.h",
+        embeddings=("transformer.wte", "transformer.wpe"),
+        final_norm="transformer.ln_f",
+        lm_head="lm_head",
+        attention=AttentionSpec(q=None, k=None, v=None, o="attn.c_proj", qkv="attn.c_attn"),
+        smoothing=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
+        rotary=False,
+    ),
+    "opt": ArchSpec(
+        family="opt",
+        blocks="model.decoder.layers",
+        embeddings=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
+        final_norm="model.decoder.final_layer_norm",
+        lm_head="lm_head",
+        attention=AttentionSpec(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
+                                o="self_attn.out_proj"),
+        smoothing=(
+            ("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("final_layer_norm", ("fc1",)),
+        ),
+        rotary=False,
+    ),
+}
+
+# How to read a linear-like module's weight as [out, in]. GPT-2's Conv1D stores it transposed; this table is
+# the one place that knows.
+LINEAR_WEIGHT: dict[type, Callable[[nn.Module], torch.Tensor]] = {
+    nn.Linear: lambda m: m.weight,
+    Conv1D: lambda m: m.weight.t(),
+}
+
+
+def arch_for(model: nn.Module) -> ArchSpec:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(
+            f"model family {model_type!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}. "
+            "Add an entry to llmeasyquant/models/arch.py:ARCHITECTURES"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def is_linear(module: nn.Module) -> bool:
+    return type(module) in LINEAR_WEIGHT
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """The weight of a linear-like module as [out, in]."""
+    return LINEAR_WEIGHT[type(module)](module)
+
+
+def get_module(root: nn.Module, path: str) -> nn.Module:
+    return root.get_submodule(path) if path else root
+
+
+def set_module(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, child = path.rpartition(".")
+    setattr(get_module(root, parent_path), child, new)
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    return get_module(model, arch_for(model).blocks)

@@ -1,0 +1,135 @@
+"""QuantLinear: a linear layer whose weights are stored as packed integers and run by an integer kernel."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmeasyquant.primitives import (
+    QParams,
+    check_finite,
+    choose_qparams,
+    dequantize,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+from llmeasyquant.scheme import QuantScheme
+
+log = logging.getLogger(__name__)
+
+
+def stored_bits(bits: int) -> int:
+    """Container width: 8-bit codes in int8, 2/3/4-bit codes packed two per byte."""
+    return 8 if bits > 4 else 4
+
+
+class QuantLinear(nn.Module):
+    """y = x @ ((q - zero) * scale)^T + bias, computed by a kernel chosen for the scheme and device.
+
+    Buffers (all in the state dict): `qweight` int8 [out, in] for 8-bit or uint8 [out, ceil(in/2)] packed
+    for 2-4 bits; `scales` fp16 [out, groups]; `zeros` int8 [out, groups] when asymmetric; `bias` if any.
+    """
+
+    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool,
+                 bias_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.group_size = min(scheme.group_size or in_features, in_features)
+        groups = -(-in_features // self.group_size)
+        if stored_bits(scheme.bits) == 8:
+            self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        else:
+            self.register_buffer("qweight", torch.zeros(out_features, -(-in_features // 2), dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
+        if not scheme.symmetric:
+            self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.int8))
+        else:
+            self.zeros = None
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype))
+        else:
+            self.bias = None
+        self.kernel_name: str | None = None  # force one kernel (tests, benchmarks); None = registry's choice
+        self._kernel: Any = None
+        self._prepared: Any = None
+
+    # construction --------------------------------------------------------------------------------
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, qp: QParams, scheme: QuantScheme,
+                   bias: torch.Tensor | None) -> QuantLinear:
+        """Wrap already-computed codes [out, in] (int8, signed domain) and their scales/zeros."""
+        out_features, in_features = codes.shape
+        layer = cls(in_features, out_features, scheme, bias is not None,
+                    bias.dtype if bias is not None else torch.float32)
+        if qp.group_size != layer.group_size:
+            raise ValueError(f"group width {qp.group_size} does not match the scheme's {layer.group_size}")
+        layer.qweight.copy_(codes if stored_bits(scheme.bits) == 8 else pack_int4(codes))
+        layer.scales.copy_(qp.scale.expand_as(layer.scales).to(torch.float16))
+        if layer.zeros is not None:
+            layer.zeros.copy_(qp.zero.expand_as(layer.zeros).to(torch.int8))
+        if bias is not None:
+            layer.bias.copy_(bias.detach())
+        return layer
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
+                    name: str = "weight") -> QuantLinear:
+        """Round-to-nearest quantization of a float weight [out, in]."""
+        check_finite(weight, name)
+        qp = choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity)
+        return cls.from_codes(quantize(weight, qp, scheme.bits), qp, scheme, bias)
+
+    # views ---------------------------------------------------------------------------------------
+    def codes(self) -> torch.Tensor:
+        """int8 codes [out, in] in the signed domain."""
+        if stored_bits(self.scheme.bits) == 8:
+            return self.qweight
+        return unpack_int4(self.qweight, self.in_features)
+
+    def qparams(self) -> QParams:
+        zero = None if self.zeros is None else self.zeros.to(torch.int32)
+        return QParams(scale=self.scales.float(), zero=zero, group_size=self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in] these integers stand for."""
+        return dequantize(self.codes(), self.qparams())
+
+    def storage_bytes(self) -> int:
+        """Bytes of codes, scales and zero points (the bias is not counted: it is not quantized)."""
+        tensors = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # compute -------------------------------------------------------------------------------------
+    def _apply(self, fn, recurse: bool = True):
+        # Moving or casting the module invalidates whatever the kernel prepared from the buffers.
+        self._kernel, self._prepared = None, None
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._kernel, self._prepared = None, None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def kernel(self) -> Any:
+        if self._kernel is None:
+            from llmeasyquant.kernels import select
+
+            self._kernel = select(self)
+            self._prepared = self._kernel.prepare(self)
+        return self._kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel()
+        shape = x.shape
+        x2d = x.reshape(-1, self.in_features).float()
+        y = kernel.run(self, x2d, self._prepared)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        name = self._kernel.name if self._kernel is not None else "not chosen yet"
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, kernel={name}"

@@ -1,0 +1,134 @@
+"""The only rounding math in the library: quantization parameters, quantize, dequantize, int4 packing.
+
+Codes live in the signed domain [-2^(b-1), 2^(b-1) - 1] for every bit width, with an integer zero point
+(0 when symmetric), so that x ≈ (q - zero) * scale. Tensors are 2-D [rows, cols]; groups run along cols.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmeasyquant.errors import DataError
+from llmeasyquant.scheme import Granularity, PerChannel, PerGroup, PerTensor, PerToken
+
+# Smallest positive fp16 value: a scale below it would round to zero when stored.
+_MIN_SCALE = 2.0**-24
+
+
+def qrange(bits: int) -> tuple[int, int]:
+    """Signed code range of a bit width, e.g. (-8, 7) for 4 bits."""
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Scales [rows, groups] (float32), zero points [rows, groups] (int32, None when symmetric), group width."""
+
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_size: int
+
+
+def group_width(granularity: Granularity, cols: int) -> int:
+    return min(granularity.size, cols) if isinstance(granularity, PerGroup) else cols
+
+
+def _grouped(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, cols] -> [rows, groups, width], the last group padded with zeros (which every range includes)."""
+    rows, cols = x.shape
+    groups = -(-cols // width)
+    pad = groups * width - cols
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(rows, groups, width)
+
+
+def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity,
+                   scale_dtype: torch.dtype | None = torch.float16) -> QParams:
+    """Scales and zero points from the min/max of each group.
+
+    The range always includes zero so that zero is exact. Scales are rounded to `scale_dtype` (the storage
+    type) before codes are computed, so stored weights dequantize to exactly what was evaluated.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    x = x.detach().float()
+    width = group_width(granularity, x.shape[1])
+    grouped = _grouped(x, width)  # [rows, groups, width]
+    lo = grouped.amin(dim=-1).clamp(max=0)
+    hi = grouped.amax(dim=-1).clamp(min=0)
+    if isinstance(granularity, PerTensor):
+        lo, hi = lo.amin().reshape(1, 1), hi.amax().reshape(1, 1)
+    elif not isinstance(granularity, PerChannel | PerToken | PerGroup):
+        raise ValueError(f"unknown granularity {granularity!r}")
+    qmin, qmax = qrange(bits)
+    scale = torch.maximum(-lo, hi) / qmax if symmetric else (hi - lo) / (qmax - qmin)
+    scale = scale.clamp(min=_MIN_SCALE)
+    if scale_dtype is not None:
+        scale = scale.to(scale_dtype).float().clamp(min=_MIN_SCALE)
+    zero = None
+    if not symmetric:
+        zero = torch.round(qmin - lo / scale).clamp(qmin, qmax).to(torch.int32)
+    return QParams(scale=scale, zero=zero, group_size=width)
+
+
+def _expand(params: torch.Tensor, width: int, rows: int, cols: int) -> torch.Tensor:
+    """[rows or 1, groups] -> [rows, cols], each group's value repeated over its columns."""
+    return params.repeat_interleave(width, dim=1)[:, :cols].expand(rows, cols)
+
+
+def quantize(x: torch.Tensor, qp: QParams, bits: int) -> torch.Tensor:
+    """Float [rows, cols] -> int8 codes in the signed range of `bits`."""
+    rows, cols = x.shape
+    qmin, qmax = qrange(bits)
+    q = torch.round(x.float() / _expand(qp.scale, qp.group_size, rows, cols))
+    if qp.zero is not None:
+        q = q + _expand(qp.zero, qp.group_size, rows, cols)
+    return q.clamp(qmin, qmax).to(torch.int8)
+
+
+def dequantize(codes: torch.Tensor, qp: QParams) -> torch.Tensor:
+    """int8 codes [rows, cols] -> float32 values (q - zero) * scale."""
+    rows, cols = codes.shape
+    q = codes.float()
+    if qp.zero is not None:
+        q = q - _expand(qp.zero, qp.group_size, rows, cols)
+    return q * _expand(qp.scale, qp.group_size, rows, cols)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity,
+                  scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Quantize then dequantize; for error measurement and for the reference path of activations."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    qp = choose_qparams(flat, bits, symmetric, granularity, scale_dtype)
+    return dequantize(quantize(flat, qp, bits), qp).reshape(shape).to(x.dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-8, 7], [rows, cols] -> uint8 [rows, ceil(cols / 2)]: even column low nibble, odd high."""
+    if codes.numel() and (codes.min() < -8 or codes.max() > 7):
+        raise ValueError("int4 codes must lie in [-8, 7]")
+    unsigned = (codes.to(torch.int16) + 8).to(torch.uint8)
+    if unsigned.shape[1] % 2:
+        unsigned = torch.nn.functional.pad(unsigned, (0, 1), value=8)
+    return unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of `pack_int4`: uint8 [rows, ceil(cols / 2)] -> int8 codes [rows, cols]."""
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)[:, :cols].contiguous()
+
+
+def check_finite(tensor: torch.Tensor, name: str) -> None:
+    """Refuse NaN or infinite weights: rounding them gives garbage codes silently."""
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise DataError(
+            f"{name} has {bad} NaN or infinite value(s); the model's weights are damaged. "
+            "Reload the model from a good source before quantizing."
+        )

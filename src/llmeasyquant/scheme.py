@@ -1,0 +1,177 @@
+"""What a quantized tensor looks like: bit width, symmetry, granularity, and the activation side."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from llmeasyquant.errors import ConfigError
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """One scale (and zero point) for the whole tensor."""
+
+
+@dataclass(frozen=True)
+class PerChannel:
+    """One scale per output channel (row of an [out, in] weight)."""
+
+
+@dataclass(frozen=True)
+class PerGroup:
+    """One scale per `size` consecutive input channels of each row; the last group may be shorter."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size <= 0:
+            raise ConfigError(
+                f"group size must be a positive integer, got {self.size!r}; "
+                "use e.g. 32, 64 or 128, or per-channel (no --group-size)"
+            )
+
+
+@dataclass(frozen=True)
+class PerToken:
+    """One scale per row of an activation matrix (one token); computed on the fly."""
+
+
+Granularity = PerTensor | PerChannel | PerGroup | PerToken
+
+
+def _check_bits(bits: int, what: str) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ConfigError(f"unsupported {what} bit width {bits!r}; choose one of {', '.join(map(str, SUPPORTED_BITS))}")
+
+
+@dataclass(frozen=True)
+class ActScheme:
+    """How activations entering a quantized linear are quantized. Only dynamic scales exist so far."""
+
+    bits: int = 8
+    symmetric: bool = True
+    dynamic: bool = True
+    granularity: Granularity = field(default_factory=PerToken)
+
+    def __post_init__(self) -> None:
+        if self.bits != 8:
+            raise ConfigError(f"unsupported activation bit width {self.bits!r}; only 8-bit activations are supported")
+        if not self.dynamic:
+            raise ConfigError("static activation scales are not supported yet; use dynamic activations")
+        if not isinstance(self.granularity, PerToken | PerTensor):
+            raise ConfigError("activation granularity must be per-token or per-tensor")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Weight quantization of one linear layer, plus optional activation quantization."""
+
+    bits: int
+    symmetric: bool = True
+    granularity: Granularity = field(default_factory=PerChannel)
+    act: ActScheme | None = None
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits, "weight")
+        if isinstance(self.granularity, PerToken):
+            raise ConfigError("weights cannot be quantized per token; use per-tensor, per-channel or per-group")
+
+    @property
+    def group_size(self) -> int | None:
+        return self.granularity.size if isinstance(self.granularity, PerGroup) else None
+
+    @property
+    def name(self) -> str:
+        """Short name such as `w4a16-g64-asym`; `parse_scheme(name)` gives the scheme back."""
+        text = f"w{self.bits}a{self.act.bits if self.act else 16}"
+        if isinstance(self.granularity, PerGroup):
+            text += f"-g{self.granularity.size}"
+        elif isinstance(self.granularity, PerTensor):
+            text += "-pt"
+        if not self.symmetric:
+            text += "-asym"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
+                "act": None if self.act is None else {
+                    "bits": self.act.bits, "symmetric": self.act.symmetric, "dynamic": self.act.dynamic,
+                    "granularity": granularity_to_str(self.act.granularity)}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QuantScheme:
+        act = data.get("act")
+        return cls(
+            bits=int(data["bits"]), symmetric=bool(data["symmetric"]),
+            granularity=granularity_from_str(data["granularity"]),
+            act=None if act is None else ActScheme(
+                bits=int(act["bits"]), symmetric=bool(act["symmetric"]), dynamic=bool(act["dynamic"]),
+                granularity=granularity_from_str(act["granularity"])),
+        )
+
+
+def granularity_to_str(g: Granularity) -> str:
+    if isinstance(g, PerGroup):
+        return f"group:{g.size}"
+    return {PerTensor: "tensor", PerChannel: "channel", PerToken: "token"}[type(g)]
+
+
+def granularity_from_str(text: str) -> Granularity:
+    if text.startswith("group:"):
+        return PerGroup(int(text.split(":", 1)[1]))
+    table = {"tensor": PerTensor, "channel": PerChannel, "token": PerToken}
+    if text not in table:
+        raise ConfigError(f"unknown granularity {text!r}; expected tensor, channel, token or group:N")
+    return table[text]()
+
+
+_SCHEME_RE = re.compile(r"^w(\d+)a(\d+)((?:-(?:g-?\d+|pt|asym|sym))*)$")
+
+
+def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
+                act_bits: int | None = None) -> QuantScheme:
+    """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`."""
+    if group_size is not None:
+        granularity: Granularity = PerGroup(group_size)
+    else:
+        granularity = PerChannel()
+    act = None if act_bits in (None, 16) else ActScheme(bits=act_bits)
+    return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act)
+
+
+def parse_scheme(name: str) -> QuantScheme:
+    """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt` (case-insensitive)."""
+    match = _SCHEME_RE.match(name.strip().lower())
+    if not match:
+        raise ConfigError(
+            f"cannot read scheme {name!r}; write it as w<bits>a<act bits>[-g<group size>][-asym], "
+            "e.g. w8a16, w8a8, w4a16-g64, w4a16-g128-asym"
+        )
+    bits, act_bits = int(match.group(1)), int(match.group(2))
+    parts = [p for p in match.group(3).split("-") if p]
+    symmetric, granularity = True, None
+    for part in parts:
+        if part == "asym":
+            symmetric = False
+        elif part == "sym":
+            symmetric = True
+        elif part == "pt":
+            granularity = PerTensor()
+        else:
+            granularity = PerGroup(int(part[1:]))
+    scheme = make_scheme(bits, None, symmetric, act_bits)
+    if granularity is not None:
+        scheme = QuantScheme(bits, symmetric, granularity, scheme.act)
+    return scheme
+
+
+W8A16 = QuantScheme(bits=8)
+W8A8 = QuantScheme(bits=8, act=ActScheme())
+W4A16_G128 = QuantScheme(bits=4, symmetric=False, granularity=PerGroup(128))
+W4A16_G64 = QuantScheme(bits=4, symmetric=False, granularity=PerGroup(64))
+W4A8_G128 = QuantScheme(bits=4, symmetric=True, granularity=PerGroup(128), act=ActScheme())
+PRESETS = {"W8A16": W8A16, "W8A8": W8A8, "W4A16_G128": W4A16_G128, "W4A16_G64": W4A16_G64,
+           "W4A8_G128": W4A8_G128}
