@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--force", action="store_true", help="replace --out if it exists")
     q.add_argument("--json", type=Path, help="write the result record to this JSON file")
 
-    e = sub.add_parser("eval", help="perplexity (and KL / top-1 against the unquantized model) of a checkpoint or model")
+    e = sub.add_parser("eval", help="perplexity (and KL / top-1 against the unquantized model) of a checkpoint")
     e.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="checkpoint folder or model spec")
     _add_eval_options(e, None)
     e.add_argument("--reference", help="unquantized model for KL / top-1 (default: the checkpoint's source model)")
