@@ -157,10 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
-    if not args.debug:
-        import transformers
+    import transformers
 
+    from llmeasyquant.eval import report
+
+    report.COMMAND = " ".join(["llmeasyquant", *(sys.argv[1:] if argv is None else argv)])
+    if not args.debug:
         transformers.logging.set_verbosity_error()
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -175,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"llmeasyquant: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        report.COMMAND = None
     log.debug("%s took %.1f s", args.command, time.perf_counter() - start)
     return 0
 

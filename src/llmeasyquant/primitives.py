@@ -45,6 +45,18 @@ def _grouped(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.reshape(rows, groups, width)
 
 
+def _round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The smallest `dtype` value >= scale, back in fp32: rounding a scale down would clip the group's extremes."""
+    if bool((scale > torch.finfo(dtype).max).any()):
+        raise DataError(f"a quantization scale exceeds the {dtype} maximum ({torch.finfo(dtype).max:g}): the weights "
+                        "hold values too large to quantize; check the model for damaged weights")
+    stored = scale.to(dtype)
+    below = stored.float() < scale
+    if bool(below.any()):
+        stored = torch.where(below, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored)
+    return stored.float()
+
+
 def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity,
                    scale_dtype: torch.dtype | None = torch.float16) -> QParams:
     """Scales and zero points from the min/max of each group.
@@ -67,7 +79,7 @@ def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Gra
     scale = torch.maximum(-lo, hi) / qmax if symmetric else (hi - lo) / (qmax - qmin)
     scale = scale.clamp(min=_MIN_SCALE)
     if scale_dtype is not None:
-        scale = scale.to(scale_dtype).float().clamp(min=_MIN_SCALE)
+        scale = _round_up_to(scale, scale_dtype)
     zero = None
     if not symmetric:
         zero = torch.round(qmin - lo / scale).clamp(qmin, qmax).to(torch.int32)

@@ -87,6 +87,10 @@ class QuantScheme:
     def name(self) -> str:
         """Short name such as `w4a16-g64-asym`; `parse_scheme(name)` gives the scheme back."""
         text = f"w{self.bits}a{self.act.bits if self.act else 16}"
+        if self.act is not None and isinstance(self.act.granularity, PerTensor):
+            text += "-apt"
+        if self.act is not None and not self.act.symmetric:
+            text += "-aasym"
         if isinstance(self.granularity, PerGroup):
             text += f"-g{self.granularity.size}"
         elif isinstance(self.granularity, PerTensor):
@@ -128,7 +132,8 @@ def granularity_from_str(text: str) -> Granularity:
     return table[text]()
 
 
-_SCHEME_RE = re.compile(r"^w(\d+)a(\d+)((?:-(?:g-?\d+|pt|asym|sym))*)$")
+_SUFFIX = r"-(g-?\d+|pt|asym|sym|apt|aasym)"
+_SCHEME_RE = re.compile(rf"^w(\d+)a(\d+)((?:{_SUFFIX})*)$")
 
 
 def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
@@ -151,21 +156,21 @@ def parse_scheme(name: str) -> QuantScheme:
             "e.g. w8a16, w8a8, w4a16-g64, w4a16-g128-asym"
         )
     bits, act_bits = int(match.group(1)), int(match.group(2))
-    parts = [p for p in match.group(3).split("-") if p]
-    symmetric, granularity = True, None
+    parts = re.findall(_SUFFIX, match.group(3))
+    symmetric = "asym" not in parts
+    granularity: Granularity = PerChannel()
     for part in parts:
-        if part == "asym":
-            symmetric = False
-        elif part == "sym":
-            symmetric = True
-        elif part == "pt":
+        if part == "pt":
             granularity = PerTensor()
-        else:
+        elif part.startswith("g"):
             granularity = PerGroup(int(part[1:]))
-    scheme = make_scheme(bits, None, symmetric, act_bits)
-    if granularity is not None:
-        scheme = QuantScheme(bits, symmetric, granularity, scheme.act)
-    return scheme
+    act = make_scheme(bits, None, symmetric, act_bits).act
+    if act is not None:
+        act = ActScheme(bits=act.bits, symmetric="aasym" not in parts,
+                        granularity=PerTensor() if "apt" in parts else PerToken())
+    elif "apt" in parts or "aasym" in parts:
+        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym) without quantized activations")
+    return QuantScheme(bits, symmetric, granularity, act)
 
 
 W8A16 = QuantScheme(bits=8)

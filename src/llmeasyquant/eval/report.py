@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+# The command line being run, set by the CLI so that records name it even when main() is called in-process.
+COMMAND: str | None = None
+
 
 def versions() -> dict[str, str]:
     import transformers
@@ -28,8 +31,9 @@ def machine() -> dict:
 
 def record(kind: str, model: str, metrics: dict, protocol: dict, command: str | None = None) -> dict:
     """One result: what was measured, how, with what software, on which machine."""
-    return {"kind": kind, "model": model, "metrics": metrics, "protocol": protocol,
-            "command": command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    if command is None:
+        command = COMMAND or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    return {"kind": kind, "model": model, "metrics": metrics, "protocol": protocol, "command": command,
             "versions": versions(), "machine": machine()}
 
 
@@ -38,9 +42,13 @@ def write_json(path: str | Path, records: list[dict] | dict) -> Path:
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(records, handle, indent=2)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(records, handle, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llmeasyquant.errors import CheckpointError, ConfigError, OutputExistsError
-from llmeasyquant.models.arch import get_module, linear_weight, set_module
+from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
 from llmeasyquant.models.load import no_init_weights
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.scheme import QuantScheme
@@ -48,8 +48,11 @@ def _state_without_aliases(model: nn.Module, float_dtype: torch.dtype) -> tuple[
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        if tensor.is_floating_point() and tensor.dtype != torch.float16:
-            tensor = tensor.to(float_dtype)
+        if tensor.is_floating_point() and tensor.dtype not in (torch.float16, float_dtype):
+            cast = tensor.to(float_dtype)
+            # A tensor that overflows the storage type stays as it is (quantize() kept it in fp32 on purpose).
+            if torch.isfinite(cast).all() or not torch.isfinite(tensor).all():
+                tensor = cast
         tensors[name] = tensor.detach().contiguous()
     return tensors, aliases
 
@@ -57,12 +60,15 @@ def _state_without_aliases(model: nn.Module, float_dtype: torch.dtype) -> tuple[
 def _replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished `tmp` to `out`; an old `out` is removed only after the new one is in place."""
     old = None
-    if out.exists():
+    if out.exists() or out.is_symlink():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
     tmp.rename(out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
 
 
 def check_output(out: Path, force: bool) -> None:
@@ -162,6 +168,8 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
             module = get_module(model, name)
         except AttributeError as exc:
             raise CheckpointError(f"{path} names layer {name!r}, which this model does not have") from exc
+        if not is_linear(module):
+            raise CheckpointError(f"{path} names layer {name!r}, which is not a linear layer of this model")
         out_features, in_features = linear_weight(module).shape
         has_bias = getattr(module, "bias", None) is not None
         set_module(model, name, QuantLinear(in_features, out_features, scheme, has_bias, dtype))

