@@ -104,6 +104,7 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
         row = metrics[name] | extra[name]
         row["ppl_delta_pct"] = 100 * (row["ppl"] / base_ppl - 1)
         row["checkpoint_mb"] = row["checkpoint_bytes"] / 2**20
+        row["weight_bytes_pct"] = 100 * row.get("weight_bytes_ratio", 1.0)
         row["top1_pct"] = 100 * row["top1"] if not math.isnan(row.get("top1", math.nan)) else None
         protocol = windows.protocol | {"method": method if name != "fp32" else None, "unit_eval_s": unit_s}
         records.append(record("compare", model_spec, row, protocol))

@@ -60,6 +60,7 @@ def _cell(value: object, fmt: str) -> str:
 
 COMPARE_COLUMNS = (  # (header, metric, format)
     ("scheme", "scheme", ""), ("bits/w", "bits_per_weight", ".3f"), ("ckpt MB", "checkpoint_mb", ".1f"),
+    ("wt/fp32 %", "weight_bytes_pct", ".1f"),
     ("ppl", "ppl", ".3f"), ("Δppl %", "ppl_delta_pct", "+.2f"), ("KL", "kld", ".5f"), ("top-1 %", "top1_pct", ".2f"),
     ("quant s", "quantize_s", ".1f"),
 )

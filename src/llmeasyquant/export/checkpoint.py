@@ -57,6 +57,15 @@ def _state_without_aliases(model: nn.Module, float_dtype: torch.dtype) -> tuple[
     return tensors, aliases
 
 
+def _usual_permissions(folder: Path) -> None:
+    """mkdtemp makes a private folder; a saved checkpoint gets the permissions any new folder would get."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
+
+
 def _replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished `tmp` to `out`; an old `out` is removed only after the new one is in place."""
     old = None
@@ -99,6 +108,7 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
         (tmp / QCONFIG_FILE).write_text(json.dumps(qconfig, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        _usual_permissions(tmp)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

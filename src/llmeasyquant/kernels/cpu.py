@@ -7,7 +7,7 @@
   zero-padding the input.
 
 The weight-only operators take their 16-bit activations as bf16: with fp32 inputs PyTorch 2.13 runs a scalar
-path 30-100x slower than the fp32 matmul, with bf16 a vectorised one (measured in benchmarks/kernels.py).
+path 30-100x slower than the fp32 matmul, with bf16 a vectorised one (measured in benchmarks/kernel_speed.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kernel micro-benchmark: each CPU integer kernel against the fp32 matmul on SmolLM2's layer shapes.
 
-    python benchmarks/kernels.py [--out benchmarks/results/kernels.json]
+    python benchmarks/kernel_speed.py [--out benchmarks/results/kernel_speed.json]
 
 Times are medians of repeated calls in one process; ratios (fp32 time / kernel time) are what to compare. Also
 times the PyTorch weight-only operators with fp32 activations, to show why our kernels feed them bf16.
@@ -37,7 +37,7 @@ def median_ms(fn, repeat: int = 20) -> float:
 @torch.no_grad()
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_speed.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
