@@ -33,8 +33,8 @@ def windows(tiny_tokenizer, wiki_text: Path) -> EvalWindows:
 def test_windows_are_consecutive_chunks_without_bos(tiny_tokenizer, wiki_text: Path) -> None:
     source = read_text_file(wiki_text)
     w = make_windows(tiny_tokenizer, source, SEQLEN)
-    text = wiki_text.read_bytes().decode("utf-8")  # byte for byte: WikiText has CRLF line ends, kept as they are
-    assert "\r\n" in text
+    text = wiki_text.read_text(encoding="utf-8")  # universal newlines, as Python reads text files
+    assert "\r\n" in wiki_text.read_bytes().decode("utf-8") and "\r" not in text
     ids = tiny_tokenizer(text, add_special_tokens=False).input_ids
     n = len(ids) // SEQLEN
     assert n > 100
@@ -215,12 +215,12 @@ def test_text_file_that_is_not_utf8(tmp_path: Path) -> None:
         read_text_file(path)
 
 
-def test_text_is_read_byte_for_byte(tmp_path: Path) -> None:
+def test_text_is_read_with_universal_newlines_and_hashed_as_bytes(tmp_path: Path) -> None:
     path = tmp_path / "crlf.txt"
     data = "line one\r\nline two — ünïcode\r\n".encode()
     path.write_bytes(data)
     source = read_text_file(path)
-    assert source.text.encode("utf-8") == data
+    assert source.text == "line one\nline two — ünïcode\n"
     assert source.sha256 == hashlib.sha256(data).hexdigest()
     assert source.path == str(path.resolve())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,23 +23,27 @@ class TextSource:
     text: str
     description: str  # what a reader of the results needs to know, e.g. "file wiki.test.raw"
     path: str | None = None
+    sha256: str = ""  # of the file's bytes for a file (identifies the data set), else of the UTF-8 text
 
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+    def __post_init__(self) -> None:
+        if not self.sha256:
+            object.__setattr__(self, "sha256", hashlib.sha256(self.text.encode("utf-8")).hexdigest())
 
 
 def read_text_file(path: str | Path) -> TextSource:
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"text file {path} does not exist; pass an existing file with --text")
+    data = path.read_bytes()
     try:
-        text = path.read_bytes().decode("utf-8")  # byte for byte: no newline translation
+        # Read as Python reads text files (universal newlines: CRLF -> LF), as the peers' published figures do.
+        text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()
     except UnicodeDecodeError as exc:
         raise DataError(f"text file {path} is not UTF-8 text: {exc}") from exc
     if not text.strip():
         raise DataError(f"text file {path} is empty; give a file with enough text for at least one window")
-    return TextSource(text=text, description=f"file {path.name}", path=str(path.resolve()))
+    return TextSource(text=text, description=f"file {path.name}", path=str(path.resolve()),
+                      sha256=hashlib.sha256(data).hexdigest())
 
 
 def wikitext2_from_hub(split: str = "test") -> TextSource | None:
