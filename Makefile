@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TEXT ?= ../shared/data/wikitext-2-raw/wiki.test.raw
 WINDOWS ?= 40
-SCHEMES ?= w8a16,w8a8,w4a16-g64-asym,w4a16-g128-asym
+SCHEMES ?= w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym
 
 .PHONY: install demo test lint clean
 

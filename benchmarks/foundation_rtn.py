@@ -16,7 +16,9 @@ from llmeasyquant import compare, parse_scheme
 from llmeasyquant.eval.report import markdown_table, write_json
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
-SCHEMES = "w8a16,w8a8,w8a16-asym,w8a16-g128,w4a16-g64-asym,w4a16-g128-asym,w4a16-g64,w4a16-g32-asym,w3a16-g64-asym"
+SCHEMES = (
+    "w8a16,w8a8,w8a8-aasym,w8a16-asym,w8a16-g128,w4a16-g64-asym,w4a16-g128-asym,w4a16-g64,w4a16-g32-asym,w3a16-g64-asym"
+)
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ from llmeasyquant.scheme import PerGroup, parse_scheme
 SHAPES = [(576, 192), (1536, 576), (64, 48), (100, 33), (48, 8)]
 TOKENS = [1, 7, 64]
 
-W8A8_SCHEMES = ["w8a8", "w8a8-asym"]
+W8A8_SCHEMES = ["w8a8", "w8a8-asym", "w8a8-aasym", "w8a8-asym-aasym", "w8a8-apt-aasym"]
 WEIGHT_ONLY_SCHEMES = ["w8a16", "w8a16-asym", "w4a16-g32", "w4a16-g64", "w4a16-g128", "w4a16-g128-asym", "w4a16",
                        "w3a16-g32", "w2a16-g64-asym"]
 

@@ -92,3 +92,22 @@ def test_cli_compare_prints_the_table(tmp_path, capsys):
     assert records[2]["metrics"]["bits_per_weight"] <= 4.5
     assert records[1]["metrics"]["weight_bytes_ratio"] <= 0.27
     assert records[2]["metrics"]["weight_bytes_ratio"] <= 0.15
+
+
+WIKI_VALID = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/valid.txt"
+
+
+@pytest.mark.skipif(not WIKI_VALID.is_file(), reason=f"{WIKI_VALID} is absent")
+def test_gptq_beats_rtn_on_smollm2(smollm2, windows):
+    import copy
+
+    from llmeasyquant.calibration.data import calibration_ids
+
+    base, tokenizer = smollm2
+    calib, _ = calibration_ids(str(WIKI_VALID), base, tokenizer, samples=8, seqlen=256)
+    scheme = lq.parse_scheme("w4a16-g64-asym")
+    gptq = lq.quantize(copy.deepcopy(base), lq.GPTQ(), scheme, calib=calib, progress=False)
+    rtn = lq.quantize(copy.deepcopy(base), lq.RTN(), scheme, progress=False)
+    metrics = evaluate_windows({"fp32": base, "gptq": gptq, "rtn": rtn}, windows, reference="fp32", progress=False)
+    assert metrics["gptq"]["ppl"] < metrics["rtn"]["ppl"]
+    assert metrics["gptq"]["kld"] < metrics["rtn"]["kld"]

@@ -36,6 +36,15 @@ def _add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", type=Path, help="a plan JSON (per-layer schemes) instead of --bits/--group-size/--asym")
     p.add_argument("--keep-fp32", action="store_true",
                    help="store unquantized tensors (embeddings, norms, biases) in fp32 instead of fp16")
+    _add_calibration_options(p)
+
+
+def _add_calibration_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calib", help="calibration text for methods that need it: a file, 'wikitext2' (hub "
+                   "validation split) or 'self' (text the model generates)")
+    p.add_argument("--calib-samples", type=int, default=64, help="calibration samples (default 64)")
+    p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sample (default 512)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scheme_options(q)
     q.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
     q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.add_argument("--seed", type=int, default=0, help="seed for generated calibration text")
     q.add_argument("--json", type=Path, help="write the result record to this JSON file")
 
     e = sub.add_parser("eval", help="perplexity (and KL / top-1 against the unquantized model) of a checkpoint")
@@ -60,10 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="quantize with several schemes and print one comparison table")
     c.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
-    c.add_argument("--schemes", default="w8a16,w8a8,w4a16-g64-asym,w4a16-g128-asym",
+    c.add_argument("--schemes", default="w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym",
                    help="comma-separated schemes such as w8a16,w8a8,w4a16-g64,w4a16-g128-asym")
     c.add_argument("--method", default="rtn", help="quantization method (default rtn)")
     c.add_argument("--keep-fp32", action="store_true", help="store unquantized tensors in fp32")
+    _add_calibration_options(c)
     c.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")
     _add_eval_options(c, 40)
     return parser
@@ -78,24 +89,46 @@ def _scheme_or_plan(args: argparse.Namespace):
     return make_scheme(args.bits, args.group_size, not args.asym, args.act_bits)
 
 
+def _method(args: argparse.Namespace):
+    from llmeasyquant.methods import method_by_name
+
+    options = {"act_order": True} if args.act_order else {}
+    method = method_by_name(args.method, **options)
+    if method.needs_calibration and not args.calib:
+        raise LLMEasyQuantError(f"{method.name} needs calibration text: pass --calib PATH, --calib wikitext2 "
+                                "or --calib self")
+    return method
+
+
+def _calibration(args: argparse.Namespace, method, model, tokenizer):
+    from llmeasyquant.calibration.data import calibration_ids
+
+    if not method.needs_calibration:
+        return None
+    ids, source = calibration_ids(args.calib, model, tokenizer, args.calib_samples, args.calib_seqlen, args.seed)
+    log.info("calibrating on %s: %d samples of %d tokens", source.description, ids.shape[0], ids.shape[1])
+    return ids
+
+
 def cmd_quantize(args: argparse.Namespace) -> None:
     from llmeasyquant import load_model, quantize, save
     from llmeasyquant.eval.report import record, write_json
     from llmeasyquant.export.checkpoint import bits_per_weight, check_output, checkpoint_bytes
-    from llmeasyquant.methods import method_by_name
 
     plan = _scheme_or_plan(args)
-    method = method_by_name(args.method)
+    method = _method(args)
     check_output(args.out, args.force)  # fail before minutes of work, not after
     model, tokenizer = load_model(args.model)
-    quantize(model, method, plan, keep_fp32=args.keep_fp32, progress=not args.quiet)
+    calib = _calibration(args, method, model, tokenizer)
+    quantize(model, method, plan, calib=calib, keep_fp32=args.keep_fp32, progress=not args.quiet)
     folder = save(model, args.out, tokenizer, force=args.force)
     metrics = {"quantize_s": model.llmeasyquant.quantize_s, "checkpoint_bytes": checkpoint_bytes(folder),
                "bits_per_weight": bits_per_weight(model)}
     print(f"saved {folder}: {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
           f"{metrics['bits_per_weight']:.3f} bits per quantized weight, quantized in {metrics['quantize_s']:.1f} s")
     if args.json:
-        protocol = {"method": args.method, "plan": model.llmeasyquant.plan}
+        protocol = {"recipe": model.llmeasyquant.recipe, "plan": model.llmeasyquant.plan, "seed": args.seed,
+                    "calib": args.calib, "calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
         write_json(args.json, record("quantize", args.model, metrics, protocol))
 
 
@@ -137,13 +170,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
     schemes = [parse_scheme(s) for s in args.schemes.split(",") if s.strip()]
     if not schemes:
         raise LLMEasyQuantError("--schemes is empty; name at least one scheme, e.g. w8a16")
-    from llmeasyquant.methods import method_by_name
-
-    method_by_name(args.method)  # an unknown method fails now, not after loading the model
-    records = compare(args.model, schemes, args.method, args.text, args.seqlen, args.max_windows, args.keep_fp32,
-                      args.workdir, args.seed, progress=not args.quiet)
+    method = _method(args)  # an unknown method fails now, not after loading the model
+    records = compare(args.model, schemes, method, args.text, args.seqlen, args.max_windows, args.keep_fp32,
+                      args.workdir, args.seed, progress=not args.quiet, calib=args.calib,
+                      calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen)
     p = records[0]["protocol"]
-    print(f"\n{args.model}, method {args.method}: {p['windows']} windows of {p['seqlen']} tokens from "
+    print(f"\n{args.model}, method {method.name}: {p['windows']} windows of {p['seqlen']} tokens from "
           f"{p['text_source']} (sha256 {p['text_sha256'][:12]}…), no BOS, {p['threads']} threads\n")
     print(format_table([r["metrics"] for r in records]))
     if args.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import tempfile
@@ -13,11 +14,12 @@ import torch
 from torch import nn
 
 from llmeasyquant.api import quantize
-from llmeasyquant.calibration.data import resolve_text
+from llmeasyquant.calibration.data import calibration_ids, resolve_text
+from llmeasyquant.errors import ConfigError, DataError
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
 from llmeasyquant.eval.report import record
 from llmeasyquant.export.checkpoint import bits_per_weight, checkpoint_bytes, load, quantized_layers, save
-from llmeasyquant.methods import method_by_name
+from llmeasyquant.methods import Method, method_by_name
 from llmeasyquant.models.load import load_model
 from llmeasyquant.scheme import QuantScheme
 
@@ -68,14 +70,28 @@ def evaluate(model: nn.Module, tokenizer: object, text: str | None = None, seqle
     return record("eval", name, result, windows.protocol)
 
 
-def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (), method: str = "rtn",
+def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (), method: str | Method = "rtn",
             text: str | None = None, seqlen: int = 512, max_windows: int | None = 40, keep_fp32: bool = False,
-            workdir: str | Path | None = None, seed: int = 0, progress: bool = True) -> list[dict]:
+            workdir: str | Path | None = None, seed: int = 0, progress: bool = True, calib: str | None = None,
+            calib_samples: int = 64, calib_seqlen: int = 512) -> list[dict]:
     """Quantize the model with each scheme, save and reload each checkpoint, and evaluate all of them side by
-    side against the unquantized model on the same windows. Returns one record per row, fp32 first."""
+    side against the unquantized model on the same windows. Returns one record per row, fp32 first.
+
+    `calib` (a file, 'wikitext2' or 'self') feeds methods that need calibration; it may not be the evaluation text.
+    """
+    method = method_by_name(method) if isinstance(method, str) else method
     torch.manual_seed(seed)
     base, tokenizer = load_model(model_spec)
     windows = prepare_windows(base, tokenizer, text, seqlen, max_windows, seed)
+    calib_ids, calib_protocol = None, {}
+    if method.needs_calibration:
+        if calib is None:
+            raise ConfigError(f"{method.name} needs calibration text: pass calib=PATH, 'wikitext2' or 'self'")
+        calib_ids, source = calibration_ids(calib, base, tokenizer, calib_samples, calib_seqlen, seed)
+        if source.sha256 == windows.protocol["text_sha256"]:
+            raise DataError("the calibration text is the evaluation text; calibrate on another split")
+        calib_protocol = {"calib_source": source.description, "calib_sha256": source.sha256,
+                          "calib_samples": int(calib_ids.shape[0]), "calib_seqlen": calib_seqlen}
     unit_windows = EvalWindows(windows.ids[:UNIT_WINDOWS], windows.protocol)
     unit_s = evaluate_windows({"fp32": base}, unit_windows, progress=False)["fp32"]["eval_s"]
     with tempfile.TemporaryDirectory(prefix="llmeasyquant-compare-") as scratch:
@@ -83,8 +99,8 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
         candidates: dict[str, nn.Module] = {}
         extra: dict[str, dict] = {}
         for scheme in schemes:
-            log.info("quantizing with %s %s", method, scheme.name)
-            model = quantize(copy.deepcopy(base), method_by_name(method), scheme, keep_fp32=keep_fp32,
+            log.info("quantizing with %s %s", method.name, scheme.name)
+            model = quantize(copy.deepcopy(base), method, scheme, calib=calib_ids, keep_fp32=keep_fp32,
                              progress=progress)
             folder = save(model, root / scheme.name, tokenizer, force=True)
             quantize_s = model.llmeasyquant.quantize_s
@@ -106,6 +122,8 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
         row["checkpoint_mb"] = row["checkpoint_bytes"] / 2**20
         row["weight_bytes_pct"] = 100 * row.get("weight_bytes_ratio", 1.0)
         row["top1_pct"] = 100 * row["top1"] if not math.isnan(row.get("top1", math.nan)) else None
-        protocol = windows.protocol | {"method": method if name != "fp32" else None, "unit_eval_s": unit_s}
+        protocol = windows.protocol | {"unit_eval_s": unit_s}
+        if name != "fp32":
+            protocol |= {"recipe": [{"method": method.name, **dataclasses.asdict(method)}], **calib_protocol}
         records.append(record("compare", model_spec, row, protocol))
     return records

@@ -116,3 +116,36 @@ def consecutive_chunks(ids: torch.Tensor, seqlen: int, count: int | None = None)
                         "give a longer text or a smaller --seqlen")
     n = available if count is None else min(count, available)
     return ids[: n * seqlen].reshape(n, seqlen)
+
+
+# Evaluation splits by the sha256 of their files: calibrating on one of them would flatter every result.
+EVALUATION_SPLITS = {
+    "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c": "WikiText-2 raw test",
+}
+
+
+def calibration_ids(spec: str, model: torch.nn.Module, tokenizer: object, samples: int = 64, seqlen: int = 512,
+                    seed: int = 0) -> tuple[torch.Tensor, TextSource]:
+    """Calibration token ids [samples, seqlen]: the first consecutive chunks of a text.
+
+    `spec` is a text file, 'wikitext2' (validation split from the hub) or 'self' (text the model generates).
+    """
+    if samples <= 0:
+        raise DataError(f"the number of calibration samples must be positive, got {samples}")
+    if spec.lower() in WIKITEXT_NAMES:
+        source = wikitext2_from_hub("validation")
+        if source is None:
+            raise DataError("WikiText-2 is not reachable on the hub from here; pass a local copy of its validation "
+                            "split with --calib PATH (e.g. ../shared/data/wikitext-2/valid.txt)")
+    elif spec.lower() == "self":
+        source = generate_text(model, tokenizer, samples * seqlen + 1, seed)
+    else:
+        source = read_text_file(spec)
+    if source.sha256 in EVALUATION_SPLITS:
+        raise DataError(f"{source.description} is the {EVALUATION_SPLITS[source.sha256]} split, used for evaluation; "
+                        "calibrating on it is refused. Use a training or validation split")
+    ids = consecutive_chunks(tokenize(tokenizer, source.text), seqlen, samples)
+    if ids.shape[0] < samples:
+        log.warning("%s gives only %d calibration samples of %d tokens (asked for %d)", source.description,
+                    ids.shape[0], seqlen, samples)
+    return ids, source

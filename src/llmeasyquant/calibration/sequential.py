@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, Method
 from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
 from llmeasyquant.scheme import QuantScheme
@@ -91,7 +92,7 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     needs_data = any(m.needs_calibration for m in recipe)
     if needs_data and calib is None:
         names = ", ".join(m.name for m in recipe if m.needs_calibration)
-        raise ValueError(f"{names} needs calibration data; pass calib=token ids (see llmeasyquant.calibration)")
+        raise ConfigError(f"{names} needs calibration data; pass calib=token ids (see llmeasyquant.calibration)")
     inputs = kwargs = None
     if calib is not None:
         inputs, kwargs = capture_block_inputs(model, calib)

@@ -27,28 +27,36 @@ def _per_row_weights(layer) -> bool:
 
 
 class Int8DynamicActKernel:
-    """W8A8: y = s_x * s_w * (q_x @ q_w^T - zero_w * sum(q_x)), exact integer accumulation."""
+    """W8A8: y = s_x s_w Σ_k (q_x - z_x)(q_w - z_w), expanded so that one int32 GEMM does the work:
+    q_x·q_w - z_w Σq_x - z_x Σq_w + K z_x z_w (the zero-point terms only when asymmetric)."""
 
     name = "cpu_int_mm_w8a8"
 
     def supports(self, layer) -> bool:
         act = layer.scheme.act
-        return (layer.scheme.bits == 8 and _per_row_weights(layer) and act is not None and act.symmetric
+        return (layer.scheme.bits == 8 and _per_row_weights(layer) and act is not None
                 and isinstance(act.granularity, PerToken | PerTensor))
 
     def prepare(self, layer) -> dict:
-        prepared = {"wt": layer.qweight.t().contiguous(), "scale": layer.scales[:, 0].float()}
+        wt = layer.qweight.t().contiguous()  # [in, out]
+        prepared = {"wt": wt, "scale": layer.scales[:, 0].float(), "w_sum": wt.sum(dim=0, dtype=torch.int32)}
         if layer.zeros is not None:
             prepared["zero"] = layer.zeros[:, 0].to(torch.int32)
         return prepared
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         act = layer.scheme.act
-        qp = choose_qparams(x, act.bits, True, act.granularity, scale_dtype=None)
+        qp = choose_qparams(x, act.bits, act.symmetric, act.granularity, scale_dtype=None)
         qx = quantize(x, qp, act.bits)
         acc = torch._int_mm(qx, prepared["wt"])  # [tokens, out] int32
         if "zero" in prepared:
             acc = acc - qx.sum(dim=1, dtype=torch.int32)[:, None] * prepared["zero"][None, :]
+        if qp.zero is not None:
+            zx = qp.zero.expand(x.shape[0], 1)  # [tokens, 1]
+            w_sum = prepared["w_sum"][None, :]
+            if "zero" in prepared:
+                w_sum = w_sum - layer.in_features * prepared["zero"][None, :]
+            acc = acc - zx * w_sum
         return acc.float() * qp.scale.expand(x.shape[0], 1) * prepared["scale"][None, :]
 
 

@@ -1,0 +1,110 @@
+"""GPTQ (Frantar et al. 2022): quantize columns one by one, pushing each column's error onto the columns not yet
+quantized through the inverse Hessian of the layer's inputs, H = 2/n · Σ x xᵀ.
+
+Lazy batch updates (blocks of `block_size` columns), dampening (`damp` × mean diagonal), optional act-order
+(columns by decreasing Hessian diagonal) with static groups: group scales are fixed from the original weights
+before the solve, so an act-ordered layer still stores plain contiguous groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from llmeasyquant.methods.base import BlockContext
+from llmeasyquant.methods.hessian import collect_hessians
+from llmeasyquant.models.arch import linear_weight, set_module
+from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.primitives import QParams, check_finite, choose_qparams, group_width, qrange
+from llmeasyquant.scheme import PerChannel, QuantScheme
+
+
+@dataclass(frozen=True)
+class GPTQ:
+    block_size: int = 128
+    damp: float = 0.01
+    act_order: bool = False
+
+    name: ClassVar[str] = "gptq"
+    kind: ClassVar[str] = "quantizer"
+    needs_calibration: ClassVar[bool] = True
+
+    def apply(self, block: nn.Module, ctx: BlockContext) -> None:
+        hessians = collect_hessians(block, list(ctx.plan), ctx.inputs, ctx.kwargs)
+        for rel_name, scheme in ctx.plan.items():
+            module = block.get_submodule(rel_name)
+            weight = linear_weight(module).detach().float()
+            check_finite(weight, ctx.prefix + rel_name)
+            codes, qp = gptq_solve(weight, hessians[rel_name], scheme, self.block_size, self.damp, self.act_order)
+            bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
+            set_module(block, rel_name, QuantLinear.from_codes(codes, qp, scheme, bias))
+
+
+def _group_params(weight: torch.Tensor, scheme: QuantScheme) -> QParams:
+    return choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity)
+
+
+def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
+    qmin, qmax = qrange(bits)
+    q = torch.round(w / scale)
+    if zero is not None:
+        q = q + zero
+    return q.clamp(qmin, qmax)
+
+
+@torch.no_grad()
+def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, block_size: int = 128,
+               damp: float = 0.01, act_order: bool = False) -> tuple[torch.Tensor, QParams]:
+    """Codes [out, in] (int8, signed domain) and their qparams for `weight` [out, in] given H [in, in]."""
+    rows, cols = weight.shape
+    w = weight.clone()
+    h = hessian.clone().float()
+    dead = torch.diag(h) == 0  # inputs that were always zero: any value works, pick zero
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    width = group_width(scheme.granularity, cols)
+    per_column_group = torch.arange(cols) // width  # [in]
+    # Static groups: scales from the original weight. Without act-order the same choice is made group by group
+    # from the updated weights as the solve reaches each group (the paper's procedure), below.
+    static = _group_params(w, scheme) if act_order or isinstance(scheme.granularity, PerChannel) else None
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(cols)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += torch.eye(cols) * damp * torch.mean(torch.diag(h))
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    codes = torch.zeros(rows, cols)
+    scales = torch.zeros(rows, -(-cols // width))
+    zeros = None if scheme.symmetric else torch.zeros_like(scales, dtype=torch.int32)
+    if static is not None:
+        scales.copy_(static.scale.expand_as(scales))
+        if zeros is not None:
+            zeros.copy_(static.zero.expand_as(zeros))
+    for start in range(0, cols, block_size):
+        end = min(start + block_size, cols)
+        w1, hinv1 = w[:, start:end].clone(), hinv[start:end, start:end]
+        err1 = torch.zeros_like(w1)
+        for i in range(end - start):
+            col = int(perm[start + i])
+            group = int(per_column_group[col])
+            if static is None and col % width == 0:
+                # Dynamic groups (no act-order, so columns arrive in order): fix this group's scale now.
+                g_end = min(col + width, cols)
+                block_part = torch.cat((w1[:, i:], w[:, end:]), dim=1)[:, : g_end - col]
+                qp = _group_params(block_part, scheme)
+                scales[:, group] = qp.scale[:, 0]
+                if zeros is not None:
+                    zeros[:, group] = qp.zero[:, 0]
+            scale = scales[:, group]
+            zero = zeros[:, group] if zeros is not None else None
+            q = _quantize_column(w1[:, i], scale, zero, scheme.bits)
+            codes[:, start + i] = q
+            dequant = (q - (zero if zero is not None else 0)) * scale
+            err = (w1[:, i] - dequant) / hinv1[i, i]
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, end:] -= err1 @ hinv[start:end, end:]
+    codes = codes[:, torch.argsort(perm)]
+    qp = QParams(scale=scales, zero=zeros, group_size=width)
+    return codes.to(torch.int8), qp

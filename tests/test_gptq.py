@@ -1,0 +1,112 @@
+"""GPTQ: lower layer output error than RTN on the same data, valid codes, determinism, CLI and calibration checks."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmeasyquant as lq
+from llmeasyquant.calibration.data import calibration_ids
+from llmeasyquant.cli import main
+from llmeasyquant.methods.gptq import gptq_solve
+from llmeasyquant.primitives import choose_qparams, dequantize, qrange, quantize
+
+WIKI_TEST = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+
+
+def correlated_inputs(tokens: int, width: int, seed: int = 0) -> torch.Tensor:
+    """Activations with correlated channels and a few large ones, like a transformer's."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(width, width, generator=gen) / width**0.5
+    x = torch.randn(tokens, width, generator=gen) @ mix
+    x[:, :4] *= 8
+    return x
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a16-g32-asym", "w4a16-g48-asym", "w3a16-g64", "w4a16",
+                                    "w8a16", "w2a16-g32-asym"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_output_error_is_below_rtn(scheme, act_order):
+    width, out = 160, 48  # 160 is not a multiple of 48 or 64: partial last groups
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(out, width, generator=gen) * 0.05
+    x = correlated_inputs(512, width)
+    hessian = 2 * x.t() @ x / x.shape[0]
+    s = lq.parse_scheme(scheme)
+    codes, qp = gptq_solve(weight, hessian, s, block_size=32, act_order=act_order)
+    qmin, qmax = qrange(s.bits)
+    assert codes.dtype == torch.int8 and int(codes.min()) >= qmin and int(codes.max()) <= qmax
+    rtn_qp = choose_qparams(weight, s.bits, s.symmetric, s.granularity)
+    rtn = dequantize(quantize(weight, rtn_qp, s.bits), rtn_qp)
+    gptq = dequantize(codes, qp)
+    err_rtn = (x @ (rtn - weight).t()).pow(2).sum()
+    err_gptq = (x @ (gptq - weight).t()).pow(2).sum()
+    assert err_gptq < 0.9 * err_rtn, (float(err_gptq), float(err_rtn))
+    layer = lq.QuantLinear.from_codes(codes, qp, s, None)  # the codes fit the storage of the scheme
+    torch.testing.assert_close(layer.dequantize(), gptq)
+
+
+def test_dead_inputs_get_zero_weight():
+    weight = torch.randn(8, 32) * 0.1
+    x = correlated_inputs(64, 32)
+    x[:, 5] = 0
+    codes, qp = gptq_solve(weight, 2 * x.t() @ x / 64, lq.parse_scheme("w4a16-g16-asym"))
+    assert torch.allclose(dequantize(codes, qp)[:, 5], torch.zeros(8), atol=float(qp.scale.max()) / 2 + 1e-6)
+
+
+def test_gptq_on_tiny_models_is_deterministic_and_beats_rtn(model_kind, make_model, random_ids):
+    base = make_model(model_kind)
+    calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(3))
+    scheme = lq.parse_scheme("w3a16-g32-asym")
+    first = lq.quantize(copy.deepcopy(base), lq.GPTQ(), scheme, calib=calib, progress=False)
+    second = lq.quantize(copy.deepcopy(base), lq.GPTQ(), scheme, calib=calib, progress=False)
+    state1, state2 = first.state_dict(), second.state_dict()
+    assert all(torch.equal(state1[k], state2[k]) for k in state1)
+    rtn = lq.quantize(copy.deepcopy(base), lq.RTN(), scheme, calib=calib, progress=False)
+    gptq_err = sum(r.output_rel_error for r in first.llmeasyquant.blocks)
+    rtn_err = sum(r.output_rel_error for r in rtn.llmeasyquant.blocks)
+    assert gptq_err < rtn_err
+    with torch.no_grad():
+        reference = base(random_ids).logits
+        assert (first(random_ids).logits - reference).pow(2).mean() < (rtn(random_ids).logits - reference).pow(2).mean()
+
+
+def test_gptq_without_calibration_is_a_clear_error(tiny_llama):
+    with pytest.raises(lq.ConfigError, match="calibration"):
+        lq.quantize(tiny_llama, lq.GPTQ(), lq.W8A16, progress=False)
+
+
+def test_unknown_method_option_is_a_clear_error():
+    from llmeasyquant.methods import method_by_name
+
+    with pytest.raises(lq.ConfigError, match="act_order"):
+        method_by_name("rtn", act_order=True)
+
+
+@pytest.mark.skipif(not WIKI_TEST.is_file(), reason="WikiText-2 test file absent")
+def test_calibrating_on_the_evaluation_split_is_refused(tiny_llama, tiny_tokenizer):
+    with pytest.raises(lq.DataError, match="refused"):
+        calibration_ids(str(WIKI_TEST), tiny_llama, tiny_tokenizer, samples=4, seqlen=32)
+
+
+def test_calibration_ids_are_consecutive_chunks(tiny_llama, tiny_tokenizer, wiki_text):
+    ids, source = calibration_ids(str(wiki_text), tiny_llama, tiny_tokenizer, samples=5, seqlen=16)
+    expected = tiny_tokenizer(source.text, add_special_tokens=False, return_tensors="pt").input_ids[0][:80]
+    assert torch.equal(ids, expected.reshape(5, 16))
+
+
+def test_cli_gptq_needs_calib_then_works(llama_folder, wiki_text, tmp_path, capsys):
+    out = tmp_path / "gptq"
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "gptq", "--bits", "4", "--group-size", "32",
+                 "--out", str(out)]) == 2
+    assert "--calib" in capsys.readouterr().err
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "gptq", "--bits", "4", "--group-size", "32",
+                 "--act-order", "--calib", str(wiki_text), "--calib-samples", "4", "--calib-seqlen", "32",
+                 "--out", str(out)]) == 0
+    model, _ = lq.load(out)
+    assert model.llmeasyquant.recipe[0]["method"] == "gptq" and model.llmeasyquant.recipe[0]["act_order"] is True
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "rtn", "--act-order", "--out",
+                 str(tmp_path / "x")]) == 2
