@@ -127,7 +127,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(f"saved {folder}: {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
           f"{metrics['bits_per_weight']:.3f} bits per quantized weight, quantized in {metrics['quantize_s']:.1f} s")
     if args.json:
-        protocol = {"recipe": model.llmeasyquant.recipe, "plan": model.llmeasyquant.plan, "seed": args.seed,
+        protocol = {"method": method.name, "recipe": model.llmeasyquant.recipe, "plan": model.llmeasyquant.plan,
+                    "seed": args.seed,
                     "calib": args.calib, "calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
         write_json(args.json, record("quantize", args.model, metrics, protocol))
 
