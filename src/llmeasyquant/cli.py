@@ -27,7 +27,7 @@ def _add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> No
 
 
 def _add_scheme_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="rtn", help="quantization method (default rtn)")
+    p.add_argument("--method", default="rtn", help="rtn, gptq, smoothquant, smoothquant+gptq (default rtn)")
     p.add_argument("--bits", type=int, default=8, help="weight bits: 2, 3, 4 or 8 (default 8)")
     p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
@@ -45,6 +45,7 @@ def _add_calibration_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-samples", type=int, default=64, help="calibration samples (default 64)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sample (default 512)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
+    p.add_argument("--alpha", type=float, help="SmoothQuant migration strength in [0, 1] (default 0.5)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
     c.add_argument("--schemes", default="w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym",
                    help="comma-separated schemes such as w8a16,w8a8,w4a16-g64,w4a16-g128-asym")
-    c.add_argument("--method", default="rtn", help="quantization method (default rtn)")
+    c.add_argument("--method", default="rtn", help="rtn, gptq, smoothquant, smoothquant+gptq (default rtn)")
     c.add_argument("--keep-fp32", action="store_true", help="store unquantized tensors in fp32")
     _add_calibration_options(c)
     c.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")
@@ -89,21 +90,24 @@ def _scheme_or_plan(args: argparse.Namespace):
     return make_scheme(args.bits, args.group_size, not args.asym, args.act_bits)
 
 
-def _method(args: argparse.Namespace):
-    from llmeasyquant.methods import method_by_name
+def _recipe(args: argparse.Namespace) -> list:
+    """The recipe `--method` names (`rtn`, `gptq`, `smoothquant`, `smoothquant+gptq`) with its options."""
+    from llmeasyquant.methods import recipe_by_name
 
-    options = {"act_order": True} if args.act_order else {}
-    method = method_by_name(args.method, **options)
-    if method.needs_calibration and not args.calib:
-        raise LLMEasyQuantError(f"{method.name} needs calibration text: pass --calib PATH, --calib wikitext2 "
+    options: dict[str, object] = {"act_order": True} if args.act_order else {}
+    if args.alpha is not None:
+        options["alpha"] = args.alpha
+    recipe = recipe_by_name(args.method, **options)
+    if any(m.needs_calibration for m in recipe) and not args.calib:
+        raise LLMEasyQuantError(f"{args.method} needs calibration text: pass --calib PATH, --calib wikitext2 "
                                 "or --calib self")
-    return method
+    return recipe
 
 
-def _calibration(args: argparse.Namespace, method, model, tokenizer):
+def _calibration(args: argparse.Namespace, recipe: list, model: torch.nn.Module, tokenizer: object):
     from llmeasyquant.calibration.data import calibration_ids
 
-    if not method.needs_calibration:
+    if not any(m.needs_calibration for m in recipe):
         return None
     ids, source = calibration_ids(args.calib, model, tokenizer, args.calib_samples, args.calib_seqlen, args.seed)
     log.info("calibrating on %s: %d samples of %d tokens", source.description, ids.shape[0], ids.shape[1])
@@ -116,18 +120,18 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from llmeasyquant.export.checkpoint import bits_per_weight, check_output, checkpoint_bytes
 
     plan = _scheme_or_plan(args)
-    method = _method(args)
+    recipe = _recipe(args)
     check_output(args.out, args.force)  # fail before minutes of work, not after
     model, tokenizer = load_model(args.model)
-    calib = _calibration(args, method, model, tokenizer)
-    quantize(model, method, plan, calib=calib, keep_fp32=args.keep_fp32, progress=not args.quiet)
+    calib = _calibration(args, recipe, model, tokenizer)
+    quantize(model, recipe, plan, calib=calib, keep_fp32=args.keep_fp32, progress=not args.quiet)
     folder = save(model, args.out, tokenizer, force=args.force)
     metrics = {"quantize_s": model.llmeasyquant.quantize_s, "checkpoint_bytes": checkpoint_bytes(folder),
                "bits_per_weight": bits_per_weight(model)}
     print(f"saved {folder}: {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
           f"{metrics['bits_per_weight']:.3f} bits per quantized weight, quantized in {metrics['quantize_s']:.1f} s")
     if args.json:
-        protocol = {"method": method.name, "recipe": model.llmeasyquant.recipe, "plan": model.llmeasyquant.plan,
+        protocol = {"method": args.method, "recipe": model.llmeasyquant.recipe, "plan": model.llmeasyquant.plan,
                     "seed": args.seed,
                     "calib": args.calib, "calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
         write_json(args.json, record("quantize", args.model, metrics, protocol))
@@ -171,12 +175,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
     schemes = [parse_scheme(s) for s in args.schemes.split(",") if s.strip()]
     if not schemes:
         raise LLMEasyQuantError("--schemes is empty; name at least one scheme, e.g. w8a16")
-    method = _method(args)  # an unknown method fails now, not after loading the model
-    records = compare(args.model, schemes, method, args.text, args.seqlen, args.max_windows, args.keep_fp32,
+    recipe = _recipe(args)  # an unknown method fails now, not after loading the model
+    records = compare(args.model, schemes, recipe, args.text, args.seqlen, args.max_windows, args.keep_fp32,
                       args.workdir, args.seed, progress=not args.quiet, calib=args.calib,
                       calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen)
     p = records[0]["protocol"]
-    print(f"\n{args.model}, method {method.name}: {p['windows']} windows of {p['seqlen']} tokens from "
+    print(f"\n{args.model}, method {args.method}: {p['windows']} windows of {p['seqlen']} tokens from "
           f"{p['text_source']} (sha256 {p['text_sha256'][:12]}…), no BOS, {p['threads']} threads\n")
     print(format_table([r["metrics"] for r in records]))
     if args.json:

@@ -19,7 +19,7 @@ from llmeasyquant.errors import ConfigError, DataError
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
 from llmeasyquant.eval.report import record
 from llmeasyquant.export.checkpoint import bits_per_weight, checkpoint_bytes, load, quantized_layers, save
-from llmeasyquant.methods import Method, method_by_name
+from llmeasyquant.methods import Method, recipe_by_name
 from llmeasyquant.models.load import load_model
 from llmeasyquant.scheme import QuantScheme
 
@@ -70,7 +70,8 @@ def evaluate(model: nn.Module, tokenizer: object, text: str | None = None, seqle
     return record("eval", name, result, windows.protocol)
 
 
-def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (), method: str | Method = "rtn",
+def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (),
+            recipe: str | Method | Sequence[Method] = "rtn",
             text: str | None = None, seqlen: int = 512, max_windows: int | None = 40, keep_fp32: bool = False,
             workdir: str | Path | None = None, seed: int = 0, progress: bool = True, calib: str | None = None,
             calib_samples: int = 64, calib_seqlen: int = 512) -> list[dict]:
@@ -79,14 +80,16 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
 
     `calib` (a file, 'wikitext2' or 'self') feeds methods that need calibration; it may not be the evaluation text.
     """
-    method = method_by_name(method) if isinstance(method, str) else method
+    recipe = recipe_by_name(recipe) if isinstance(recipe, str) else recipe
+    recipe = list(recipe) if isinstance(recipe, Sequence) else [recipe]
+    recipe_name = "+".join(m.name for m in recipe)
     torch.manual_seed(seed)
     base, tokenizer = load_model(model_spec)
     windows = prepare_windows(base, tokenizer, text, seqlen, max_windows, seed)
     calib_ids, calib_protocol = None, {}
-    if method.needs_calibration:
+    if any(m.needs_calibration for m in recipe):
         if calib is None:
-            raise ConfigError(f"{method.name} needs calibration text: pass calib=PATH, 'wikitext2' or 'self'")
+            raise ConfigError(f"{recipe_name} needs calibration text: pass calib=PATH, 'wikitext2' or 'self'")
         calib_ids, source = calibration_ids(calib, base, tokenizer, calib_samples, calib_seqlen, seed)
         if source.sha256 == windows.protocol["text_sha256"]:
             raise DataError("the calibration text is the evaluation text; calibrate on another split")
@@ -99,8 +102,8 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
         candidates: dict[str, nn.Module] = {}
         extra: dict[str, dict] = {}
         for scheme in schemes:
-            log.info("quantizing with %s %s", method.name, scheme.name)
-            model = quantize(copy.deepcopy(base), method, scheme, calib=calib_ids, keep_fp32=keep_fp32,
+            log.info("quantizing with %s %s", recipe_name, scheme.name)
+            model = quantize(copy.deepcopy(base), recipe, scheme, calib=calib_ids, keep_fp32=keep_fp32,
                              progress=progress)
             folder = save(model, root / scheme.name, tokenizer, force=True)
             quantize_s = model.llmeasyquant.quantize_s
@@ -124,6 +127,6 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
         row["top1_pct"] = 100 * row["top1"] if not math.isnan(row.get("top1", math.nan)) else None
         protocol = windows.protocol | {"unit_eval_s": unit_s}
         if name != "fp32":
-            protocol |= {"recipe": [{"method": method.name, **dataclasses.asdict(method)}], **calib_protocol}
+            protocol |= {"recipe": [{"method": m.name, **dataclasses.asdict(m)} for m in recipe], **calib_protocol}
         records.append(record("compare", model_spec, row, protocol))
     return records

@@ -1,4 +1,4 @@
-"""The methods a recipe is made of, by CLI name."""
+"""The methods a recipe is made of, by CLI name, and recipes written as names (`smoothquant+gptq`)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,46 @@ from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, Method
 from llmeasyquant.methods.gptq import GPTQ
 from llmeasyquant.methods.rtn import RTN
+from llmeasyquant.methods.smoothquant import SmoothQuant
 
-METHODS: dict[str, type] = {"rtn": RTN, "gptq": GPTQ}
+METHODS: dict[str, type] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant}
+
+
+def _method_class(name: str) -> type:
+    key = name.strip().lower()
+    if key not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
+    return METHODS[key]
 
 
 def method_by_name(name: str, **options: object) -> Method:
     """The method called `name`, built with `options` (each must be one of its fields)."""
-    key = name.strip().lower()
-    if key not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
-    cls = METHODS[key]
+    cls = _method_class(name)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - fields)
     if unknown:
-        raise ConfigError(f"method {key} has no option {', '.join(unknown)}; its options: {', '.join(sorted(fields))}")
+        raise ConfigError(f"method {cls.name} has no option {', '.join(unknown)}; "
+                          f"its options: {', '.join(sorted(fields)) or 'none'}")
     return cls(**options)
 
 
-__all__ = ["GPTQ", "METHODS", "RTN", "BlockContext", "Method", "method_by_name"]
+def recipe_by_name(spec: str, **options: object) -> list[Method]:
+    """`rtn`, `gptq`, `smoothquant` (then RTN), `smoothquant+gptq`: each option goes to the method that has it."""
+    classes = [_method_class(part) for part in spec.split("+") if part.strip()]
+    if not classes:
+        raise ConfigError("no method named; use e.g. --method rtn")
+    if classes[-1].kind == "transform":
+        classes.append(RTN)  # a transform alone is followed by round to nearest
+    taken: set[str] = set()
+    recipe = []
+    for cls in classes:
+        mine = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(cls)}}
+        taken |= set(mine)
+        recipe.append(cls(**mine))
+    unknown = sorted(set(options) - taken)
+    if unknown:
+        raise ConfigError(f"no method of {spec!r} has the option {', '.join(unknown)}")
+    return recipe
+
+
+__all__ = ["GPTQ", "METHODS", "RTN", "BlockContext", "Method", "SmoothQuant", "method_by_name", "recipe_by_name"]
