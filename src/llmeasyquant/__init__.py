@@ -14,7 +14,7 @@ from llmeasyquant.errors import (
     OutputExistsError,
 )
 from llmeasyquant.export.checkpoint import load, save
-from llmeasyquant.methods import GPTQ, RTN
+from llmeasyquant.methods import AWQ, GPTQ, RTN, SmoothQuant
 from llmeasyquant.models.load import load_model
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan, Rule
@@ -36,8 +36,37 @@ from llmeasyquant.scheme import (
 )
 
 __all__ = [
-    "GPTQ", "RTN", "W4A8_G128", "W4A16_G64", "W4A16_G128", "W8A8", "W8A16", "ActScheme", "CheckpointError",
-    "ConfigError", "DataError", "LLMEasyQuantError", "ModelLoadError", "OutputExistsError", "PerChannel", "PerGroup",
-    "PerTensor", "PerToken", "Plan", "QuantLinear", "QuantScheme", "Rule", "__version__", "compare", "evaluate",
-    "load", "load_model", "make_scheme", "parse_scheme", "quantize", "save",
+    "AWQ",
+    "GPTQ",
+    "RTN",
+    "W4A8_G128",
+    "W4A16_G64",
+    "W4A16_G128",
+    "W8A8",
+    "W8A16",
+    "ActScheme",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "LLMEasyQuantError",
+    "ModelLoadError",
+    "OutputExistsError",
+    "PerChannel",
+    "PerGroup",
+    "PerTensor",
+    "PerToken",
+    "Plan",
+    "QuantLinear",
+    "QuantScheme",
+    "Rule",
+    "SmoothQuant",
+    "__version__",
+    "compare",
+    "evaluate",
+    "load",
+    "load_model",
+    "make_scheme",
+    "parse_scheme",
+    "quantize",
+    "save",
 ]

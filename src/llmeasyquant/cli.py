@@ -15,6 +15,7 @@ from llmeasyquant.errors import LLMEasyQuantError
 log = logging.getLogger("llmeasyquant")
 
 DEFAULT_MODEL = "smollm2-135m"
+METHOD_HELP = "rtn, gptq, awq, smoothquant, or a recipe such as awq+gptq or smoothquant+gptq (default rtn)"
 
 
 def _add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:
@@ -27,7 +28,7 @@ def _add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> No
 
 
 def _add_scheme_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="rtn", help="rtn, gptq, smoothquant, smoothquant+gptq (default rtn)")
+    p.add_argument("--method", default="rtn", help=METHOD_HELP)
     p.add_argument("--bits", type=int, default=8, help="weight bits: 2, 3, 4 or 8 (default 8)")
     p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
     c.add_argument("--schemes", default="w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym",
                    help="comma-separated schemes such as w8a16,w8a8,w4a16-g64,w4a16-g128-asym")
-    c.add_argument("--method", default="rtn", help="rtn, gptq, smoothquant, smoothquant+gptq (default rtn)")
+    c.add_argument("--method", default="rtn", help=METHOD_HELP)
     c.add_argument("--keep-fp32", action="store_true", help="store unquantized tensors in fp32")
     _add_calibration_options(c)
     c.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")

@@ -57,13 +57,8 @@ def _round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return stored.float()
 
 
-def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity,
-                   scale_dtype: torch.dtype | None = torch.float16) -> QParams:
-    """Scales and zero points from the min/max of each group.
-
-    The range always includes zero so that zero is exact. Scales are rounded to `scale_dtype` (the storage
-    type) before codes are computed, so stored weights dequantize to exactly what was evaluated.
-    """
+def group_ranges(x: torch.Tensor, granularity: Granularity) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(min, max, group width) of each group of a 2-D tensor, widened to include zero: [rows or 1, groups]."""
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
     x = x.detach().float()
@@ -75,6 +70,17 @@ def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Gra
         lo, hi = lo.amin().reshape(1, 1), hi.amax().reshape(1, 1)
     elif not isinstance(granularity, PerChannel | PerToken | PerGroup):
         raise ValueError(f"unknown granularity {granularity!r}")
+    return lo, hi, width
+
+
+def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity,
+                   scale_dtype: torch.dtype | None = torch.float16) -> QParams:
+    """Scales and zero points from the min/max of each group.
+
+    The range always includes zero so that zero is exact. Scales are rounded to `scale_dtype` (the storage
+    type) before codes are computed, so stored weights dequantize to exactly what was evaluated.
+    """
+    lo, hi, width = group_ranges(x, granularity)
     qmin, qmax = qrange(bits)
     scale = torch.maximum(-lo, hi) / qmax if symmetric else (hi - lo) / (qmax - qmin)
     scale = scale.clamp(min=_MIN_SCALE)
@@ -86,7 +92,7 @@ def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Gra
     return QParams(scale=scale, zero=zero, group_size=width)
 
 
-def _expand(params: torch.Tensor, width: int, rows: int, cols: int) -> torch.Tensor:
+def expand_groups(params: torch.Tensor, width: int, rows: int, cols: int) -> torch.Tensor:
     """[rows or 1, groups] -> [rows, cols], each group's value repeated over its columns."""
     return params.repeat_interleave(width, dim=1)[:, :cols].expand(rows, cols)
 
@@ -95,9 +101,9 @@ def quantize(x: torch.Tensor, qp: QParams, bits: int) -> torch.Tensor:
     """Float [rows, cols] -> int8 codes in the signed range of `bits`."""
     rows, cols = x.shape
     qmin, qmax = qrange(bits)
-    q = torch.round(x.float() / _expand(qp.scale, qp.group_size, rows, cols))
+    q = torch.round(x.float() / expand_groups(qp.scale, qp.group_size, rows, cols))
     if qp.zero is not None:
-        q = q + _expand(qp.zero, qp.group_size, rows, cols)
+        q = q + expand_groups(qp.zero, qp.group_size, rows, cols)
     return q.clamp(qmin, qmax).to(torch.int8)
 
 
@@ -106,8 +112,8 @@ def dequantize(codes: torch.Tensor, qp: QParams) -> torch.Tensor:
     rows, cols = codes.shape
     q = codes.float()
     if qp.zero is not None:
-        q = q - _expand(qp.zero, qp.group_size, rows, cols)
-    return q * _expand(qp.scale, qp.group_size, rows, cols)
+        q = q - expand_groups(qp.zero, qp.group_size, rows, cols)
+    return q * expand_groups(qp.scale, qp.group_size, rows, cols)
 
 
 def fake_quantize(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.methods.awq import AWQ
 from llmeasyquant.methods.base import BlockContext, Method
 from llmeasyquant.methods.gptq import GPTQ
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.smoothquant import SmoothQuant
 
-METHODS: dict[str, type] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant}
+METHODS: dict[str, type] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ}
 
 
 def _method_class(name: str) -> type:
@@ -50,4 +51,4 @@ def recipe_by_name(spec: str, **options: object) -> list[Method]:
     return recipe
 
 
-__all__ = ["GPTQ", "METHODS", "RTN", "BlockContext", "Method", "SmoothQuant", "method_by_name", "recipe_by_name"]
+__all__ = ["AWQ", "GPTQ", "METHODS", "RTN", "BlockContext", "Method", "SmoothQuant", "method_by_name", "recipe_by_name"]

@@ -38,7 +38,7 @@ class SmoothQuant:
     @torch.no_grad()
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         pairs = [(src, targets) for src, targets in ctx.arch.smoothing if any(t in ctx.plan for t in targets)]
-        pairs = [(src, targets) for src, targets in pairs if _foldable(block, src, targets)]
+        pairs = [(src, targets) for src, targets in pairs if foldable(block, src, targets)]
         if not pairs:
             return
         absmax = collect_input_absmax(block, [targets[0] for _, targets in pairs], ctx.inputs, ctx.kwargs)
@@ -48,7 +48,7 @@ class SmoothQuant:
             fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
 
 
-def _foldable(block: nn.Module, src: str, targets: tuple[str, ...]) -> bool:
+def foldable(block: nn.Module, src: str, targets: tuple[str, ...]) -> bool:
     """A linear source must feed the targets channel for channel (not so under grouped-query attention)."""
     source = block.get_submodule(src)
     width = linear_weight(block.get_submodule(targets[0])).shape[1]

@@ -1,0 +1,108 @@
+"""AWQ (Lin et al. 2024): activation-aware per-input-channel scaling and weight clipping, then any quantizer.
+
+Both searches minimise the quantized linear's output error on the calibration inputs, computed from the Gram
+matrix H = Σ x xᵀ of one pass over the block (‖X Δᵀ‖² = tr(Δ H Δᵀ)), so no activations are kept:
+- scales: for each group of linears reading one input, s = m^r with m the RMS of each input channel and r on a grid
+  in [0, 1); r = 0 is plain rounding, so the search never makes the layers worse. s is folded into the source as
+  SmoothQuant folds its scales;
+- clipping: for each output row and weight group, the range is shrunk by a ratio in [min_clip, 1] on a grid.
+The weights stay float; the quantizer that follows (RTN, or GPTQ) rounds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from llmeasyquant.methods.base import BlockContext
+from llmeasyquant.methods.hessian import collect_hessians
+from llmeasyquant.methods.smoothquant import fold_scales, foldable
+from llmeasyquant.models.arch import linear_weight
+from llmeasyquant.primitives import expand_groups, fake_quantize, group_ranges
+from llmeasyquant.scheme import PerTensor, QuantScheme
+
+
+@dataclass(frozen=True)
+class AWQ:
+    grid: int = 20
+    clip: bool = True
+    clip_grid: int = 20
+    min_clip: float = 0.5
+
+    name: ClassVar[str] = "awq"
+    kind: ClassVar[str] = "transform"
+    needs_calibration: ClassVar[bool] = True
+
+    @torch.no_grad()
+    def apply(self, block: nn.Module, ctx: BlockContext) -> None:
+        hessians = collect_hessians(block, list(ctx.plan), ctx.inputs, ctx.kwargs)
+        for src, all_targets in ctx.arch.smoothing:
+            targets = [t for t in all_targets if t in ctx.plan]
+            if len(targets) != len(all_targets) or not foldable(block, src, targets):
+                continue
+            h = hessians[targets[0]]
+            weights = {t: linear_weight(block.get_submodule(t)).detach().float() for t in targets}
+            scales = search_scales(weights, h, {t: ctx.plan[t] for t in targets}, self.grid)
+            fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
+            scaled_h = h / scales[:, None] / scales[None, :]  # the targets now read x / s
+            for t in targets:
+                hessians[t] = scaled_h
+        if self.clip:
+            for name, scheme in ctx.plan.items():
+                weight = linear_weight(block.get_submodule(name))
+                weight.copy_(search_clip(weight.detach().float(), hessians[name], scheme, self.clip_grid,
+                                         self.min_clip).to(weight.dtype))
+
+
+def output_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """‖X (W - Ŵ)ᵀ‖² up to the constant of H, from the Gram matrix H [in, in]."""
+    delta = weight - approx
+    return ((delta @ h) * delta).sum()
+
+
+def _rounded(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    return fake_quantize(weight, scheme.bits, scheme.symmetric, scheme.granularity, scale_dtype=torch.float16)
+
+
+def search_scales(weights: dict[str, torch.Tensor], h: torch.Tensor, schemes: dict[str, QuantScheme],
+                  grid: int) -> torch.Tensor:
+    """Per-input-channel scales [in] minimising the summed output error of the linears after rounding."""
+    magnitude = torch.diag(h).clamp(min=0).sqrt().clamp(min=1e-8)  # RMS of each input channel (up to a constant)
+    best, best_err = torch.ones_like(magnitude), None
+    for step in range(grid):
+        ratio = step / grid
+        s = magnitude.pow(ratio)
+        s = s / (s.max() * s.min()).sqrt()  # centred in log space so that weights and inputs share the change
+        err = sum(output_error(w, _rounded(w * s, schemes[n]) / s, h) for n, w in weights.items())
+        if best_err is None or err < best_err:
+            best, best_err = s, err
+    return best
+
+
+def search_clip(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, grid: int,
+                min_clip: float) -> torch.Tensor:
+    """The weight with each (row, group) range shrunk by the ratio that minimises its output error."""
+    if isinstance(scheme.granularity, PerTensor):
+        return weight
+    rows, cols = weight.shape
+    lo, hi, width = group_ranges(weight, scheme.granularity)  # [rows, groups]
+    if scheme.symmetric:
+        lo = torch.minimum(lo, -hi)
+        hi = -lo
+    starts = range(0, cols, width)
+    best_err = torch.full_like(lo, float("inf"))
+    best_ratio = torch.ones_like(lo)
+    for ratio in torch.linspace(1.0, min_clip, grid).tolist():
+        clipped = torch.clamp(weight, expand_groups(lo * ratio, width, rows, cols),
+                              expand_groups(hi * ratio, width, rows, cols))
+        delta = weight - _rounded(clipped, scheme)
+        err = torch.stack([((delta[:, g:g + width] @ h[g:g + width, g:g + width]) * delta[:, g:g + width]).sum(-1)
+                           for g in starts], dim=1)  # [rows, groups]: each group with its own inputs
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
+    return torch.clamp(weight, expand_groups(lo * best_ratio, width, rows, cols),
+                       expand_groups(hi * best_ratio, width, rows, cols))
