@@ -10,7 +10,6 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, Method
+from llmeasyquant.methods.stats import collect_input_stats, first_output
 from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
 from llmeasyquant.scheme import QuantScheme
 
@@ -33,10 +33,6 @@ class BlockReport:
     index: int
     layers: int
     output_rel_error: float | None  # ||quantized - float|| / ||float|| on the calibration inputs, when given
-
-
-def _first(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple | list) else output
 
 
 @torch.no_grad()
@@ -64,7 +60,7 @@ def capture_block_inputs(model: nn.Module, batches: torch.Tensor) -> tuple[list[
 
 @torch.no_grad()
 def _run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
-    return [_first(block(x, **kw)) for x, kw in zip(inputs, kwargs, strict=True)]
+    return [first_output(block(x, **kw)) for x, kw in zip(inputs, kwargs, strict=True)]
 
 
 def _relative_error(quantized: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -100,9 +96,13 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     bar = tqdm(range(len(blocks)), desc="quantizing blocks", unit="block", disable=not progress)
     for index in bar:
         block = blocks[index]
-        reference = _run_block(block, inputs, kwargs) if inputs is not None else None
         ctx = BlockContext(index=index, prefix=f"{arch.blocks}.{index}.", plan=per_block[index], arch=arch,
                            inputs=inputs, kwargs=kwargs)
+        reference = None
+        if inputs is not None:
+            # One pass gives the float outputs (for the error shown) and the first method's input statistics.
+            ctx.input_stats, reference = collect_input_stats(block, list(per_block[index]), inputs, kwargs,
+                                                             keep_outputs=True)
         for method in recipe:
             method.apply(block, ctx)
         error = None

@@ -17,8 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from llmeasyquant.methods.base import BlockContext
-from llmeasyquant.methods.hessian import collect_hessians
+from llmeasyquant.methods.base import BlockContext, block_input_stats
 from llmeasyquant.methods.smoothquant import fold_scales, foldable
 from llmeasyquant.models.arch import linear_weight
 from llmeasyquant.primitives import expand_groups, fake_quantize, group_ranges
@@ -38,7 +37,8 @@ class AWQ:
 
     @torch.no_grad()
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
-        hessians = collect_hessians(block, list(ctx.plan), ctx.inputs, ctx.kwargs)
+        hessians = dict(block_input_stats(block, ctx).hessian)
+        ctx.input_stats = None  # the weights change below
         for src, all_targets in ctx.arch.smoothing:
             targets = [t for t in all_targets if t in ctx.plan]
             if len(targets) != len(all_targets) or not foldable(block, src, targets):

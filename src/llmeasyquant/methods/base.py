@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from llmeasyquant.methods.stats import InputStats, collect_input_stats
 from llmeasyquant.models.arch import ArchSpec, linear_weight
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.scheme import QuantScheme
@@ -26,6 +27,8 @@ class BlockContext:
     inputs: list[torch.Tensor] | None = None
     kwargs: list[dict[str, Any]] | None = None
     stats: dict[str, float] = field(default_factory=dict)  # what the method wants shown in progress
+    # Statistics of the block's inputs under its current weights; a method that changes weights resets it to None.
+    input_stats: InputStats | None = None
 
 
 class Method(Protocol):
@@ -41,3 +44,10 @@ def rtn_quant_linear(module: nn.Module, scheme: QuantScheme, name: str) -> Quant
     weight = linear_weight(module).detach()
     bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
     return QuantLinear.from_weight(weight, bias, scheme, name=name)
+
+
+def block_input_stats(block: nn.Module, ctx: BlockContext) -> InputStats:
+    """The statistics of the block's linear inputs: those the runner gathered, or one pass now if weights changed."""
+    if ctx.input_stats is None:
+        ctx.input_stats, _ = collect_input_stats(block, list(ctx.plan), ctx.inputs, ctx.kwargs)
+    return ctx.input_stats

@@ -14,8 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from llmeasyquant.methods.base import BlockContext
-from llmeasyquant.methods.hessian import collect_hessians
+from llmeasyquant.methods.base import BlockContext, block_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.primitives import QParams, check_finite, choose_qparams, group_width, qrange
@@ -33,7 +32,7 @@ class GPTQ:
     needs_calibration: ClassVar[bool] = True
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
-        hessians = collect_hessians(block, list(ctx.plan), ctx.inputs, ctx.kwargs)
+        hessians = block_input_stats(block, ctx).hessian
         for rel_name, scheme in ctx.plan.items():
             module = block.get_submodule(rel_name)
             weight = linear_weight(module).detach().float()

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.methods.base import BlockContext
-from llmeasyquant.methods.stats import collect_input_absmax
+from llmeasyquant.methods.base import BlockContext, block_input_stats
 from llmeasyquant.models.arch import is_linear, linear_weight
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,8 @@ class SmoothQuant:
         pairs = [(src, targets) for src, targets in pairs if foldable(block, src, targets)]
         if not pairs:
             return
-        absmax = collect_input_absmax(block, [targets[0] for _, targets in pairs], ctx.inputs, ctx.kwargs)
+        absmax = block_input_stats(block, ctx).absmax
+        ctx.input_stats = None  # the weights change below
         for src, targets in pairs:
             scales = smoothing_scales(absmax[targets[0]], [linear_weight(block.get_submodule(t)) for t in targets],
                                       self.alpha)
