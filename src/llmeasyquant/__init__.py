@@ -14,7 +14,7 @@ from llmeasyquant.errors import (
     OutputExistsError,
 )
 from llmeasyquant.export.checkpoint import load, save
-from llmeasyquant.methods import AWQ, GPTQ, RTN, SmoothQuant
+from llmeasyquant.methods import AWQ, GPTQ, RTN, SmoothQuant, ZeroQuant
 from llmeasyquant.models.load import load_model
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan, Rule
@@ -60,6 +60,7 @@ __all__ = [
     "QuantScheme",
     "Rule",
     "SmoothQuant",
+    "ZeroQuant",
     "__version__",
     "compare",
     "evaluate",

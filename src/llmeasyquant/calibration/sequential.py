@@ -102,7 +102,8 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
         if inputs is not None:
             # One pass gives the float outputs (for the error shown) and the first method's input statistics.
             ctx.input_stats, reference = collect_input_stats(block, list(per_block[index]), inputs, kwargs,
-                                                             keep_outputs=True)
+                                                             keep_outputs=True, want=recipe[0].input_stats)
+            ctx.reference_outputs = reference
         for method in recipe:
             method.apply(block, ctx)
         error = None

@@ -10,8 +10,10 @@ from llmeasyquant.methods.base import BlockContext, Method
 from llmeasyquant.methods.gptq import GPTQ
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.smoothquant import SmoothQuant
+from llmeasyquant.methods.zeroquant import ZeroQuant
 
-METHODS: dict[str, type] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ}
+METHODS: dict[str, type] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ,
+                          "zeroquant": ZeroQuant}
 
 
 def _method_class(name: str) -> type:
@@ -51,4 +53,5 @@ def recipe_by_name(spec: str, **options: object) -> list[Method]:
     return recipe
 
 
-__all__ = ["AWQ", "GPTQ", "METHODS", "RTN", "BlockContext", "Method", "SmoothQuant", "method_by_name", "recipe_by_name"]
+__all__ = ["AWQ", "GPTQ", "METHODS", "RTN", "BlockContext", "Method", "SmoothQuant", "ZeroQuant", "method_by_name",
+           "recipe_by_name"]

@@ -34,10 +34,11 @@ class AWQ:
     name: ClassVar[str] = "awq"
     kind: ClassVar[str] = "transform"
     needs_calibration: ClassVar[bool] = True
+    input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})
 
     @torch.no_grad()
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
-        hessians = dict(block_input_stats(block, ctx).hessian)
+        hessians = dict(block_input_stats(block, ctx, self.input_stats).hessian)
         ctx.input_stats = None  # the weights change below
         for src, all_targets in ctx.arch.smoothing:
             targets = [t for t in all_targets if t in ctx.plan]

@@ -29,12 +29,14 @@ class BlockContext:
     stats: dict[str, float] = field(default_factory=dict)  # what the method wants shown in progress
     # Statistics of the block's inputs under its current weights; a method that changes weights resets it to None.
     input_stats: InputStats | None = None
+    reference_outputs: list[torch.Tensor] | None = None  # the float block's outputs on `inputs`
 
 
 class Method(Protocol):
     name: ClassVar[str]
     kind: ClassVar[str]  # "transform" (keeps float weights) or "quantizer" (swaps in QuantLinear)
     needs_calibration: ClassVar[bool]
+    input_stats: ClassVar[frozenset[str]]  # statistics of its block's inputs it reads: "hessian", "absmax"
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None: ...
 
@@ -46,8 +48,9 @@ def rtn_quant_linear(module: nn.Module, scheme: QuantScheme, name: str) -> Quant
     return QuantLinear.from_weight(weight, bias, scheme, name=name)
 
 
-def block_input_stats(block: nn.Module, ctx: BlockContext) -> InputStats:
-    """The statistics of the block's linear inputs: those the runner gathered, or one pass now if weights changed."""
-    if ctx.input_stats is None:
-        ctx.input_stats, _ = collect_input_stats(block, list(ctx.plan), ctx.inputs, ctx.kwargs)
+def block_input_stats(block: nn.Module, ctx: BlockContext, want: frozenset[str]) -> InputStats:
+    """The statistics of the block's linear inputs: those the runner gathered, or one pass now if weights changed
+    or the runner did not gather what `want` names."""
+    if ctx.input_stats is None or not want <= ctx.input_stats.kinds:
+        ctx.input_stats, _ = collect_input_stats(block, list(ctx.plan), ctx.inputs, ctx.kwargs, want=want)
     return ctx.input_stats

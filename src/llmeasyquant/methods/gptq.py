@@ -30,9 +30,10 @@ class GPTQ:
     name: ClassVar[str] = "gptq"
     kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = True
+    input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
-        hessians = block_input_stats(block, ctx).hessian
+        hessians = block_input_stats(block, ctx, self.input_stats).hessian
         for rel_name, scheme in ctx.plan.items():
             module = block.get_submodule(rel_name)
             weight = linear_weight(module).detach().float()

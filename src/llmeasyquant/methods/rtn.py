@@ -18,6 +18,7 @@ class RTN:
     name: ClassVar[str] = "rtn"
     kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = False
+    input_stats: ClassVar[frozenset[str]] = frozenset()
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         for rel_name, scheme in ctx.plan.items():

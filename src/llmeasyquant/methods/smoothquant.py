@@ -29,6 +29,7 @@ class SmoothQuant:
     name: ClassVar[str] = "smoothquant"
     kind: ClassVar[str] = "transform"
     needs_calibration: ClassVar[bool] = True
+    input_stats: ClassVar[frozenset[str]] = frozenset({"absmax"})
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -40,7 +41,7 @@ class SmoothQuant:
         pairs = [(src, targets) for src, targets in pairs if foldable(block, src, targets)]
         if not pairs:
             return
-        absmax = block_input_stats(block, ctx).absmax
+        absmax = block_input_stats(block, ctx, self.input_stats).absmax
         ctx.input_stats = None  # the weights change below
         for src, targets in pairs:
             scales = smoothing_scales(absmax[targets[0]], [linear_weight(block.get_submodule(t)) for t in targets],

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+STATS = frozenset({"hessian", "absmax"})
+
 
 @dataclass
 class InputStats:
     hessian: dict[str, torch.Tensor]  # H = 2/n · Σ x xᵀ [in, in] over every calibration token
     absmax: dict[str, torch.Tensor]  # max |x| per input channel [in]
+    kinds: frozenset[str] = STATS  # which of the two were collected
 
 
 def first_output(output: object) -> torch.Tensor:
@@ -26,8 +29,12 @@ def first_output(output: object) -> torch.Tensor:
 
 @torch.no_grad()
 def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: list[dict],
-                        keep_outputs: bool = False) -> tuple[InputStats, list[torch.Tensor] | None]:
-    """Statistics of what each named linear reads, and (optionally) the block's outputs, from one pass."""
+                        keep_outputs: bool = False, want: frozenset[str] = STATS
+                        ) -> tuple[InputStats, list[torch.Tensor] | None]:
+    """Statistics of what each named linear reads, and (optionally) the block's outputs, from one pass.
+
+    `want` picks the statistics ("hessian", "absmax"): a Hessian costs a GEMM per input, so only those who use it
+    pay for it; the others come back empty."""
     sums: dict[str, torch.Tensor] = {}
     absmax: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
@@ -45,9 +52,11 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
                 return
             seen_this_pass.append((x, name))
             flat = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
-            sums[name] = sums.get(name, 0) + flat.t() @ flat
-            peak = flat.abs().amax(dim=0)
-            absmax[name] = torch.maximum(absmax[name], peak) if name in absmax else peak
+            if "hessian" in want:
+                sums[name] = sums.get(name, 0) + flat.t() @ flat
+            if "absmax" in want:
+                peak = flat.abs().amax(dim=0)
+                absmax[name] = torch.maximum(absmax[name], peak) if name in absmax else peak
             counts[name] = counts.get(name, 0) + flat.shape[0]
 
         return hook
@@ -63,10 +72,13 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     finally:
         for handle in handles:
             handle.remove()
-    missing = [n for n in names if n not in sums and n not in alias]
+    missing = [n for n in names if n not in counts and n not in alias]
     if missing:
         raise RuntimeError(f"no calibration input reached {missing}; the block's forward never called them")
     hessian = {name: 2 * sums[name] / counts[name] for name in sums}
     for name, owner in alias.items():
-        hessian[name], absmax[name] = hessian[owner], absmax[owner]
-    return InputStats(hessian=hessian, absmax=absmax), outputs
+        if owner in hessian:
+            hessian[name] = hessian[owner]
+        if owner in absmax:
+            absmax[name] = absmax[owner]
+    return InputStats(hessian=hessian, absmax=absmax, kinds=frozenset(want)), outputs
