@@ -37,6 +37,8 @@ RUNS = (  # (recipe, scheme, options)
     ("gptq", "w4a16-g128-asym", {}),
     ("awq", "w4a16-g64-asym", {}),
     ("awq+gptq", "w4a16-g64-asym", {}),
+    ("zeroquant", "w4a8-g64", {"lkd": False}),
+    ("zeroquant", "w4a8-g64", {}),
 )
 COLUMNS = (("method", "method", ""), ("scheme", "scheme", ""), ("bits/w", "bits_per_weight", ".3f"),
            ("ckpt MB", "checkpoint_mb", ".1f"), ("ppl", "ppl", ".3f"), ("KL", "kld", ".5f"),
@@ -65,14 +67,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for index, (recipe_name, scheme_name, options) in enumerate(runs):
             recipe = recipe_by_name(recipe_name, **options)
-            label = f"{index}:{recipe_name}{'+act-order' if options.get('act_order') else ''}"
+            extras = "".join(f" {k}={v}" for k, v in options.items())
+            label = f"{index}:{recipe_name}{extras}"
             start = time.perf_counter()
             model = lq.quantize(copy.deepcopy(base), recipe, lq.parse_scheme(scheme_name), calib=calib)
             seconds = time.perf_counter() - start
             folder = lq.save(model, Path(scratch) / str(index))
             del model
             models[label], _ = lq.load(folder)
-            rows[label] = {"method": label.split(":", 1)[1] + (f" α={options['alpha']}" if "alpha" in options else ""),
+            rows[label] = {"method": label.split(":", 1)[1],
                            "scheme": scheme_name, "quantize_s": seconds, "quantize_units": seconds / unit_s,
                            "checkpoint_mb": checkpoint_bytes(folder) / 2**20,
                            "bits_per_weight": bits_per_weight(models[label]), "peak_rss_mb": peak_rss_mb()}
