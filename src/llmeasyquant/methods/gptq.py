@@ -17,7 +17,7 @@ from torch import nn
 from llmeasyquant.methods.base import BlockContext, block_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
-from llmeasyquant.primitives import QParams, check_finite, choose_qparams, group_width, qrange
+from llmeasyquant.primitives import QParams, check_finite, choose_qparams, dequantize, group_width, quantize
 from llmeasyquant.scheme import PerChannel, QuantScheme
 
 
@@ -45,14 +45,6 @@ class GPTQ:
 
 def _group_params(weight: torch.Tensor, scheme: QuantScheme) -> QParams:
     return choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity)
-
-
-def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
-    qmin, qmax = qrange(bits)
-    q = torch.round(w / scale)
-    if zero is not None:
-        q = q + zero
-    return q.clamp(qmin, qmax)
 
 
 @torch.no_grad()
@@ -98,9 +90,10 @@ def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
                     zeros[:, group] = qp.zero[:, 0]
             scale = scales[:, group]
             zero = zeros[:, group] if zeros is not None else None
-            q = _quantize_column(w1[:, i], scale, zero, scheme.bits)
-            codes[:, start + i] = q
-            dequant = (q - (zero if zero is not None else 0)) * scale
+            column_qp = QParams(scale[:, None], None if zero is None else zero[:, None], group_size=1)
+            q = quantize(w1[:, i : i + 1], column_qp, scheme.bits)  # [rows, 1]
+            codes[:, start + i] = q[:, 0]
+            dequant = dequantize(q, column_qp)[:, 0]
             err = (w1[:, i] - dequant) / hinv1[i, i]
             w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = err

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmeasyquant.errors import ModelLoadError
 from llmeasyquant.hub import hub_reachable
@@ -113,11 +113,3 @@ def load_model(spec: str = "smollm2-135m", dtype: torch.dtype = torch.float32) -
     model.llmeasyquant_source = source  # what a checkpoint records as its unquantized reference
     return model, tokenizer
 
-
-def config_from_dict(data: dict) -> object:
-    """Rebuild a transformers config from its saved dict."""
-    data = dict(data)
-    model_type = data.pop("model_type", None)
-    if model_type is None:
-        raise ModelLoadError("the saved model config has no model_type")
-    return AutoConfig.for_model(model_type, **data)
