@@ -108,5 +108,14 @@ def test_cli_gptq_needs_calib_then_works(llama_folder, wiki_text, tmp_path, caps
                  "--out", str(out)]) == 0
     model, _ = lq.load(out)
     assert model.llmeasyquant.recipe[0]["method"] == "gptq" and model.llmeasyquant.recipe[0]["act_order"] is True
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "gptq", "--bits", "4", "--group-size", "32",
+                 "--no-act-order", "--calib", str(wiki_text), "--calib-samples", "4", "--calib-seqlen", "32",
+                 "--out", str(out), "--force"]) == 0
+    assert lq.load(out)[0].llmeasyquant.recipe[0]["act_order"] is False
     assert main(["--quiet", "quantize", str(llama_folder), "--method", "rtn", "--act-order", "--out",
                  str(tmp_path / "x")]) == 2
+
+
+def test_act_order_is_the_default():
+    """As in llm-compressor; without it symmetric 4-bit GPTQ on SmolLM2 is worse than round to nearest."""
+    assert lq.GPTQ().act_order is True

@@ -120,3 +120,78 @@ def test_cli_smoothquant(llama_folder, wiki_text, tmp_path, capsys):
     model, _ = lq.load(out)
     assert [r["method"] for r in model.llmeasyquant.recipe] == ["smoothquant", "rtn"]
     assert model.llmeasyquant.recipe[0]["alpha"] == 0.8
+
+
+def test_alpha_auto_picks_the_grid_value_with_the_lowest_block_error(make_model, calib):
+    """On block 0 (whose inputs do not depend on earlier choices) auto is at least as good as every fixed alpha."""
+    base = with_activation_outliers(make_model("llama"))
+    grid = (0.2, 0.5, 0.8)
+    auto = lq.quantize(copy.deepcopy(base), [SmoothQuant("auto", alpha_grid=grid, search_samples=len(calib)),
+                                             lq.RTN()], lq.W8A8, calib=calib, progress=False)
+    chosen = [b.choices["alpha"] for b in auto.llmeasyquant.blocks]
+    assert all(a in grid for a in chosen)
+    fixed = {a: lq.quantize(copy.deepcopy(base), [SmoothQuant(a), lq.RTN()], lq.W8A8, calib=calib, progress=False)
+             for a in grid}
+    errors = {a: m.llmeasyquant.blocks[0].output_rel_error for a, m in fixed.items()}
+    assert auto.llmeasyquant.blocks[0].output_rel_error == pytest.approx(min(errors.values()), rel=1e-5)
+    assert errors[chosen[0]] == pytest.approx(min(errors.values()), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["best", 1.5])
+def test_alpha_auto_and_grid_validation(bad):
+    with pytest.raises(lq.ConfigError, match="alpha"):
+        SmoothQuant(alpha=bad)
+    with pytest.raises(lq.ConfigError, match="alpha_grid"):
+        SmoothQuant(alpha="auto", alpha_grid=(0.5, 1.2))
+    with pytest.raises(lq.ConfigError, match="search_samples"):
+        SmoothQuant(alpha="auto", search_samples=0)
+
+
+def test_smoothquant_then_gptq_reads_the_statistics_of_one_pass(tiny_llama, calib, monkeypatch):
+    """Smoothing rescales the Hessians exactly, so GPTQ after it costs no second pass over the block."""
+    import llmeasyquant.calibration.sequential as sequential
+    import llmeasyquant.methods.base as base
+
+    passes = []
+    original = sequential.collect_input_stats
+
+    def counted(*args, **kwargs):
+        passes.append(kwargs.get("want"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sequential, "collect_input_stats", counted)
+    monkeypatch.setattr(base, "collect_input_stats", counted)
+    lq.quantize(tiny_llama, recipe_by_name("smoothquant+gptq", alpha=0.5), lq.W8A8, calib=calib, progress=False)
+    assert len(passes) == 2  # one per block
+    assert all(want == frozenset({"hessian", "range"}) for want in passes)
+
+
+def test_carried_hessians_equal_fresh_ones(tiny_llama, calib):
+    from llmeasyquant.calibration.sequential import capture_block_inputs
+    from llmeasyquant.methods import BlockContext
+    from llmeasyquant.methods.stats import collect_input_stats
+
+    model = with_activation_outliers(tiny_llama)
+    inputs, kwargs = capture_block_inputs(model, calib)
+    block = model.model.layers[0]
+    names = [n.split("layers.0.", 1)[1] for n in lq.Plan.uniform(lq.W8A8).resolve(model) if "layers.0." in n]
+    ctx = BlockContext(index=0, prefix="model.layers.0.", plan=dict.fromkeys(names, lq.W8A8),
+                       arch=arch_for(model), inputs=inputs, kwargs=kwargs)
+    ctx.input_stats, _ = collect_input_stats(block, names, inputs, kwargs, want=frozenset({"hessian", "range"}))
+    SmoothQuant(alpha=0.7).apply(block, ctx)
+    fresh, _ = collect_input_stats(block, names, inputs, kwargs, want=frozenset({"hessian"}))
+    for name in names:
+        torch.testing.assert_close(ctx.input_stats.hessian[name], fresh.hessian[name], rtol=1e-3, atol=1e-5)
+
+
+def test_cli_alpha_auto(llama_folder, wiki_text, tmp_path, capsys):
+    out = tmp_path / "sq-auto"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--quiet", "quantize", str(llama_folder), "--method", "smoothquant", "--alpha", "wild",
+              "--act-bits", "8", "--calib", str(wiki_text), "--out", str(out)])
+    assert exit_info.value.code == 2 and "'auto'" in capsys.readouterr().err
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "smoothquant", "--alpha", "auto",
+                 "--act-bits", "8", "--calib", str(wiki_text), "--calib-samples", "4", "--calib-seqlen", "32",
+                 "--out", str(out)]) == 0
+    model, _ = lq.load(out)
+    assert model.llmeasyquant.recipe[0]["alpha"] == "auto"

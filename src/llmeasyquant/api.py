@@ -86,6 +86,9 @@ def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | Q
             module = get_module(model, name)
             if name == arch.lm_head and getattr(model.config, "tie_word_embeddings", False):
                 model.config.tie_word_embeddings = False  # the head gets its own integer copy
+            if scheme.static_act:
+                raise ConfigError(f"{name} lies outside the transformer blocks, where no calibration input is "
+                                  "captured: give it dynamic activations (or leave it unquantized)")
             set_module(model, name, rtn_quant_linear(module, scheme, name))
     if not keep_fp32:
         round_unquantized_to_fp16(model)

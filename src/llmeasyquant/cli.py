@@ -34,6 +34,8 @@ def _add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
     p.add_argument("--act-bits", type=int, choices=(8, 16), default=16,
                    help="8: dynamic per-token int8 activations (W8A8 on integer kernels); 16: float activations")
+    p.add_argument("--static", action="store_true",
+                   help="with --act-bits 8: one static per-tensor activation scale per layer, from calibration data")
     p.add_argument("--plan", type=Path, help="a plan JSON (per-layer schemes) instead of --bits/--group-size/--asym")
     p.add_argument("--keep-fp32", action="store_true",
                    help="store unquantized tensors (embeddings, norms, biases) in fp32 instead of fp16")
@@ -45,8 +47,27 @@ def _add_calibration_options(p: argparse.ArgumentParser) -> None:
                    "validation split) or 'self' (text the model generates)")
     p.add_argument("--calib-samples", type=int, default=64, help="calibration samples (default 64)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sample (default 512)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
-    p.add_argument("--alpha", type=float, help="SmoothQuant migration strength in [0, 1] (default 0.5)")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: quantize columns by decreasing Hessian diagonal (default: on)")
+    p.add_argument("--alpha", type=_alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search it "
+                   "per block on the block's output error (default 0.5)")
+    p.add_argument("--lkd", action=argparse.BooleanOptionalAction, default=None,
+                   help="ZeroQuant: layer-by-layer distillation (default: on)")
+    p.add_argument("--lkd-steps", type=int, help="ZeroQuant: Adam steps per block (default 50)")
+    p.add_argument("--lkd-lr", type=float, help="ZeroQuant: learning rate (default 5e-5)")
+    p.add_argument("--lkd-samples", type=int, help="ZeroQuant: calibration samples to distil on (default: all)")
+    p.add_argument("--lkd-inputs", choices=("float", "quantized"),
+                   help="ZeroQuant: distil on the unquantized model's activations (default, the paper) or the "
+                   "quantized model's")
+
+
+def _alpha(text: str) -> float | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,19 +109,20 @@ def _scheme_or_plan(args: argparse.Namespace):
 
     if args.plan is not None:
         return Plan.load(args.plan)
-    return make_scheme(args.bits, args.group_size, not args.asym, args.act_bits)
+    return make_scheme(args.bits, args.group_size, not args.asym, args.act_bits, args.static)
 
 
 def _recipe(args: argparse.Namespace) -> list:
     """The recipe `--method` names (`rtn`, `gptq`, `smoothquant`, `smoothquant+gptq`) with its options."""
     from llmeasyquant.methods import recipe_by_name
 
-    options: dict[str, object] = {"act_order": True} if args.act_order else {}
-    if args.alpha is not None:
-        options["alpha"] = args.alpha
+    given = {"act_order": args.act_order, "alpha": args.alpha, "lkd": args.lkd, "steps": args.lkd_steps,
+             "lr": args.lkd_lr, "samples": args.lkd_samples, "lkd_inputs": args.lkd_inputs}
+    options = {key: value for key, value in given.items() if value is not None}
     recipe = recipe_by_name(args.method, **options)
-    if any(m.needs_calibration for m in recipe) and not args.calib:
-        raise LLMEasyQuantError(f"{args.method} needs calibration text: pass --calib PATH, --calib wikitext2 "
+    if (any(m.needs_calibration for m in recipe) or getattr(args, "static", False)) and not args.calib:
+        what = "static activation scales" if getattr(args, "static", False) else args.method
+        raise LLMEasyQuantError(f"{what} needs calibration text: pass --calib PATH, --calib wikitext2 "
                                 "or --calib self")
     return recipe
 
@@ -108,7 +130,7 @@ def _recipe(args: argparse.Namespace) -> list:
 def _calibration(args: argparse.Namespace, recipe: list, model: torch.nn.Module, tokenizer: object):
     from llmeasyquant.calibration.data import calibration_ids
 
-    if not any(m.needs_calibration for m in recipe):
+    if not any(m.needs_calibration for m in recipe) and not getattr(args, "static", False):
         return None
     ids, source = calibration_ids(args.calib, model, tokenizer, args.calib_samples, args.calib_seqlen, args.seed)
     log.info("calibrating on %s: %d samples of %d tokens", source.description, ids.shape[0], ids.shape[1])

@@ -87,9 +87,10 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
     base, tokenizer = load_model(model_spec)
     windows = prepare_windows(base, tokenizer, text, seqlen, max_windows, seed)
     calib_ids, calib_protocol = None, {}
-    if any(m.needs_calibration for m in recipe):
+    if any(m.needs_calibration for m in recipe) or any(s.static_act for s in schemes):
         if calib is None:
-            raise ConfigError(f"{recipe_name} needs calibration text: pass calib=PATH, 'wikitext2' or 'self'")
+            what = recipe_name if any(m.needs_calibration for m in recipe) else "static activation scales"
+            raise ConfigError(f"{what} needs calibration text: pass calib=PATH, 'wikitext2' or 'self'")
         calib_ids, source = calibration_ids(calib, base, tokenizer, calib_samples, calib_seqlen, seed)
         if source.sha256 == windows.protocol["text_sha256"]:
             raise DataError("the calibration text is the evaluation text; calibrate on another split")

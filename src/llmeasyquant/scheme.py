@@ -49,7 +49,8 @@ def _check_bits(bits: int, what: str) -> None:
 
 @dataclass(frozen=True)
 class ActScheme:
-    """How activations entering a quantized linear are quantized. Only dynamic scales exist so far."""
+    """How activations entering a quantized linear are quantized: dynamic scales computed per token (or per
+    tensor) on the fly, or one static per-tensor scale calibrated beforehand and stored with the layer."""
 
     bits: int = 8
     symmetric: bool = True
@@ -59,10 +60,11 @@ class ActScheme:
     def __post_init__(self) -> None:
         if self.bits != 8:
             raise ConfigError(f"unsupported activation bit width {self.bits!r}; only 8-bit activations are supported")
-        if not self.dynamic:
-            raise ConfigError("static activation scales are not supported yet; use dynamic activations")
         if not isinstance(self.granularity, PerToken | PerTensor):
             raise ConfigError("activation granularity must be per-token or per-tensor")
+        if not self.dynamic and not isinstance(self.granularity, PerTensor):
+            raise ConfigError("static activation scales are per tensor (tokens are not known in advance); "
+                              "use per-tensor granularity or dynamic per-token scales")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,11 @@ class QuantScheme:
             raise ConfigError("weights cannot be quantized per token; use per-tensor, per-channel or per-group")
 
     @property
+    def static_act(self) -> bool:
+        """Activations take one calibrated scale (so quantizing needs calibration data)."""
+        return self.act is not None and not self.act.dynamic
+
+    @property
     def group_size(self) -> int | None:
         return self.granularity.size if isinstance(self.granularity, PerGroup) else None
 
@@ -87,7 +94,9 @@ class QuantScheme:
     def name(self) -> str:
         """Short name such as `w4a16-g64-asym`; `parse_scheme(name)` gives the scheme back."""
         text = f"w{self.bits}a{self.act.bits if self.act else 16}"
-        if self.act is not None and isinstance(self.act.granularity, PerTensor):
+        if self.act is not None and not self.act.dynamic:
+            text += "-astatic"
+        elif self.act is not None and isinstance(self.act.granularity, PerTensor):
             text += "-apt"
         if self.act is not None and not self.act.symmetric:
             text += "-aasym"
@@ -132,23 +141,26 @@ def granularity_from_str(text: str) -> Granularity:
     return table[text]()
 
 
-_SUFFIX = r"-(g-?\d+|pt|asym|sym|apt|aasym)"
+_SUFFIX = r"-(g-?\d+|pt|asym|sym|apt|aasym|astatic)"
 _SCHEME_RE = re.compile(rf"^w(\d+)a(\d+)((?:{_SUFFIX})*)$")
 
 
 def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
-                act_bits: int | None = None) -> QuantScheme:
-    """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`."""
+                act_bits: int | None = None, static_act: bool = False) -> QuantScheme:
+    """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`, `--static`."""
     if group_size is not None:
         granularity: Granularity = PerGroup(group_size)
     else:
         granularity = PerChannel()
-    act = None if act_bits in (None, 16) else ActScheme(bits=act_bits)
+    if static_act and act_bits in (None, 16):
+        raise ConfigError("--static sets static activation scales, which need quantized activations: add --act-bits 8")
+    act = None if act_bits in (None, 16) else (
+        ActScheme(bits=act_bits, dynamic=False, granularity=PerTensor()) if static_act else ActScheme(bits=act_bits))
     return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act)
 
 
 def parse_scheme(name: str) -> QuantScheme:
-    """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt` (case-insensitive)."""
+    """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt`, `w8a8-astatic` (case-insensitive)."""
     match = _SCHEME_RE.match(name.strip().lower())
     if not match:
         raise ConfigError(
@@ -166,10 +178,12 @@ def parse_scheme(name: str) -> QuantScheme:
             granularity = PerGroup(int(part[1:]))
     act = make_scheme(bits, None, symmetric, act_bits).act
     if act is not None:
-        act = ActScheme(bits=act.bits, symmetric="aasym" not in parts,
-                        granularity=PerTensor() if "apt" in parts else PerToken())
-    elif "apt" in parts or "aasym" in parts:
-        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym) without quantized activations")
+        static = "astatic" in parts
+        act = ActScheme(bits=act.bits, symmetric="aasym" not in parts, dynamic=not static,
+                        granularity=PerTensor() if "apt" in parts or static else PerToken())
+    elif {"apt", "aasym", "astatic"} & set(parts):
+        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -astatic) without quantized "
+                          "activations")
     return QuantScheme(bits, symmetric, granularity, act)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, Method
-from llmeasyquant.methods.stats import collect_input_stats, first_output
+from llmeasyquant.methods.stats import calibrate_static_inputs, collect_input_stats, relative_error, run_block
 from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
 from llmeasyquant.scheme import QuantScheme
 
@@ -33,6 +33,7 @@ class BlockReport:
     index: int
     layers: int
     output_rel_error: float | None  # ||quantized - float|| / ||float|| on the calibration inputs, when given
+    choices: dict[str, float] = field(default_factory=dict)  # what the methods chose here, e.g. SmoothQuant's alpha
 
 
 @torch.no_grad()
@@ -58,17 +59,6 @@ def capture_block_inputs(model: nn.Module, batches: torch.Tensor) -> tuple[list[
     return inputs, kwargs
 
 
-@torch.no_grad()
-def _run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
-    return [first_output(block(x, **kw)) for x, kw in zip(inputs, kwargs, strict=True)]
-
-
-def _relative_error(quantized: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    num = sum(float((q - r).float().pow(2).sum()) for q, r in zip(quantized, reference, strict=True))
-    den = sum(float(r.float().pow(2).sum()) for r in reference)
-    return (num / den) ** 0.5 if den > 0 else 0.0
-
-
 def _block_plans(model: nn.Module, arch: ArchSpec, plan: dict[str, QuantScheme]) -> list[dict[str, QuantScheme]]:
     prefix = arch.blocks + "."
     per_block: list[dict[str, QuantScheme]] = [{} for _ in blocks_of(model)]
@@ -85,13 +75,18 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     arch = arch_for(model)
     blocks = blocks_of(model)
     per_block = _block_plans(model, arch, plan)
-    needs_data = any(m.needs_calibration for m in recipe)
-    if needs_data and calib is None:
-        names = ", ".join(m.name for m in recipe if m.needs_calibration)
+    static = any(s.static_act for s in plan.values())
+    if calib is None and (static or any(m.needs_calibration for m in recipe)):
+        names = ", ".join(m.name for m in recipe if m.needs_calibration) or "static activation scales"
         raise ConfigError(f"{names} needs calibration data; pass calib=token ids (see llmeasyquant.calibration)")
-    inputs = kwargs = None
+    # The first pass gathers every statistic the recipe reads: a transform that keeps them exact (smoothing)
+    # hands them on, so the quantizer after it needs no pass of its own; static activation scales read the ranges.
+    first_pass_stats = frozenset().union(*(m.input_stats for m in recipe), {"range"} if static else set())
+    inputs = kwargs = float_inputs = None
     if calib is not None:
         inputs, kwargs = capture_block_inputs(model, calib)
+        if any(m.float_path for m in recipe):
+            float_inputs = inputs  # the unquantized model's activations, carried beside the quantized ones
     reports = []
     bar = tqdm(range(len(blocks)), desc="quantizing blocks", unit="block", disable=not progress)
     for index in bar:
@@ -100,17 +95,23 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
                            inputs=inputs, kwargs=kwargs)
         reference = None
         if inputs is not None:
-            # One pass gives the float outputs (for the error shown) and the first method's input statistics.
+            # One pass gives the float outputs (for the error shown) and the recipe's input statistics.
             ctx.input_stats, reference = collect_input_stats(block, list(per_block[index]), inputs, kwargs,
-                                                             keep_outputs=True, want=recipe[0].input_stats)
+                                                             keep_outputs=True, want=first_pass_stats)
             ctx.reference_outputs = reference
+        if float_inputs is not None:
+            ctx.float_inputs = float_inputs
+            ctx.float_outputs = reference if float_inputs is inputs else run_block(block, float_inputs, kwargs)
         for method in recipe:
             method.apply(block, ctx)
         error = None
         if inputs is not None:
-            inputs = _run_block(block, inputs, kwargs)  # quantized outputs feed the next block
-            error = _relative_error(inputs, reference)
-            bar.set_postfix(out_err=f"{error:.4f}")
-        reports.append(BlockReport(index=index, layers=len(per_block[index]), output_rel_error=error))
+            calibrate_static_inputs(block, ctx.input_stats, inputs, kwargs)
+            inputs = run_block(block, inputs, kwargs)  # quantized outputs feed the next block
+            float_inputs = ctx.float_outputs
+            error = relative_error(inputs, reference)
+            bar.set_postfix(out_err=f"{error:.4f}", **{k: f"{v:.3g}" for k, v in ctx.stats.items()})
+        reports.append(BlockReport(index=index, layers=len(per_block[index]), output_rel_error=error,
+                                   choices=dict(ctx.stats)))
         log.debug("block %d: %d layers quantized, output error %s", index, len(per_block[index]), error)
     return reports

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmeasyquant.primitives import choose_qparams, quantize
+from llmeasyquant.primitives import quantize
 from llmeasyquant.scheme import PerChannel, PerTensor, PerToken
 
 _INT4_GROUPS = (32, 64, 128, 256)
@@ -45,9 +45,8 @@ class Int8DynamicActKernel:
         return prepared
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
-        act = layer.scheme.act
-        qp = choose_qparams(x, act.bits, act.symmetric, act.granularity, scale_dtype=None)
-        qx = quantize(x, qp, act.bits)
+        qp = layer.activation_qparams(x)
+        qx = quantize(x, qp, layer.scheme.act.bits)
         acc = torch._int_mm(qx, prepared["wt"])  # [tokens, out] int32
         if "zero" in prepared:
             acc = acc - qx.sum(dim=1, dtype=torch.int32)[:, None] * prepared["zero"][None, :]

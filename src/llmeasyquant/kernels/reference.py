@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmeasyquant.primitives import fake_quantize
+from llmeasyquant.primitives import dequantize, quantize
 
 
 def quantize_activation(layer, x: torch.Tensor) -> torch.Tensor:
@@ -15,7 +15,8 @@ def quantize_activation(layer, x: torch.Tensor) -> torch.Tensor:
     act = layer.scheme.act
     if act is None:
         return x
-    return fake_quantize(x, act.bits, act.symmetric, act.granularity)
+    qp = layer.activation_qparams(x)
+    return dequantize(quantize(x, qp, act.bits), qp)
 
 
 class ReferenceKernel:

@@ -35,6 +35,7 @@ class AWQ:
     kind: ClassVar[str] = "transform"
     needs_calibration: ClassVar[bool] = True
     input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})
+    float_path: ClassVar[bool] = False
 
     @torch.no_grad()
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:

@@ -30,13 +30,18 @@ class BlockContext:
     # Statistics of the block's inputs under its current weights; a method that changes weights resets it to None.
     input_stats: InputStats | None = None
     reference_outputs: list[torch.Tensor] | None = None  # the float block's outputs on `inputs`
+    # For methods with `float_path`: this block's inputs in the unquantized model, and the float block's outputs on
+    # them (what layer-by-layer distillation matches).
+    float_inputs: list[torch.Tensor] | None = None
+    float_outputs: list[torch.Tensor] | None = None
 
 
 class Method(Protocol):
     name: ClassVar[str]
     kind: ClassVar[str]  # "transform" (keeps float weights) or "quantizer" (swaps in QuantLinear)
     needs_calibration: ClassVar[bool]
-    input_stats: ClassVar[frozenset[str]]  # statistics of its block's inputs it reads: "hessian", "absmax"
+    input_stats: ClassVar[frozenset[str]]  # statistics of its block's inputs it reads: "hessian", "range"
+    float_path: bool  # reads the unquantized model's activations too (the runner then carries them)
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None: ...
 

@@ -1,9 +1,11 @@
 """GPTQ (Frantar et al. 2022): quantize columns one by one, pushing each column's error onto the columns not yet
 quantized through the inverse Hessian of the layer's inputs, H = 2/n · Σ x xᵀ.
 
-Lazy batch updates (blocks of `block_size` columns), dampening (`damp` × mean diagonal), optional act-order
-(columns by decreasing Hessian diagonal) with static groups: group scales are fixed from the original weights
-before the solve, so an act-ordered layer still stores plain contiguous groups.
+Lazy batch updates (blocks of `block_size` columns), dampening (`damp` × mean diagonal), act-order (columns by
+decreasing Hessian diagonal, on by default) with static groups: group scales are fixed from the original weights
+before the solve, so an act-ordered layer still stores plain contiguous groups. Without act-order the columns of
+the few channels with very large activations are quantized last, after every other column's error was pushed
+onto them; on SmolLM2 that makes symmetric 4-bit GPTQ worse than round-to-nearest (docs/methods.md).
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from llmeasyquant.scheme import PerChannel, QuantScheme
 class GPTQ:
     block_size: int = 128
     damp: float = 0.01
-    act_order: bool = False
+    act_order: bool = True  # as llm-compressor's default: on this model it decides whether GPTQ beats RTN
 
     name: ClassVar[str] = "gptq"
     kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = True
     input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})
+    float_path: ClassVar[bool] = False
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         hessians = block_input_stats(block, ctx, self.input_stats).hessian

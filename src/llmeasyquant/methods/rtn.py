@@ -19,6 +19,7 @@ class RTN:
     kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = False
     input_stats: ClassVar[frozenset[str]] = frozenset()
+    float_path: ClassVar[bool] = False
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         for rel_name, scheme in ctx.plan.items():

@@ -8,6 +8,7 @@ preceding linear) divided by s, so the float function is unchanged and the activ
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import ClassVar
@@ -17,23 +18,39 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, block_input_stats
+from llmeasyquant.methods.rtn import RTN
+from llmeasyquant.methods.stats import InputStats, calibrate_static_inputs, relative_error, run_block
 from llmeasyquant.models.arch import is_linear, linear_weight
 
 log = logging.getLogger(__name__)
 
+Pairs = list[tuple[str, tuple[str, ...]]]
+
 
 @dataclass(frozen=True)
 class SmoothQuant:
-    alpha: float = 0.5
+    """`alpha` in [0, 1], or "auto": per block, the value of `alpha_grid` whose smoothed, W8A8-rounded block is
+    closest to the float block on the first `search_samples` calibration samples."""
+
+    alpha: float | str = 0.5
+    alpha_grid: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
+    search_samples: int = 16
 
     name: ClassVar[str] = "smoothquant"
     kind: ClassVar[str] = "transform"
     needs_calibration: ClassVar[bool] = True
-    input_stats: ClassVar[frozenset[str]] = frozenset({"absmax"})
+    input_stats: ClassVar[frozenset[str]] = frozenset({"range"})
+    float_path: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"SmoothQuant alpha must lie in [0, 1], got {self.alpha}; 0.5 is the usual choice")
+        if self.alpha == "auto":
+            if not self.alpha_grid or not all(0.0 <= a <= 1.0 for a in self.alpha_grid):
+                raise ConfigError(f"SmoothQuant alpha_grid must hold values in [0, 1], got {self.alpha_grid}")
+            if self.search_samples < 1:
+                raise ConfigError(f"SmoothQuant search_samples must be 1 or more, got {self.search_samples}")
+        elif isinstance(self.alpha, str) or not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"SmoothQuant alpha must lie in [0, 1] or be 'auto', got {self.alpha!r}; "
+                              "0.5 is the usual choice")
 
     @torch.no_grad()
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
@@ -41,12 +58,37 @@ class SmoothQuant:
         pairs = [(src, targets) for src, targets in pairs if foldable(block, src, targets)]
         if not pairs:
             return
-        absmax = block_input_stats(block, ctx, self.input_stats).absmax
-        ctx.input_stats = None  # the weights change below
-        for src, targets in pairs:
-            scales = smoothing_scales(absmax[targets[0]], [linear_weight(block.get_submodule(t)) for t in targets],
-                                      self.alpha)
-            fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
+        stats = block_input_stats(block, ctx, self.input_stats)
+        alpha = self.alpha if self.alpha != "auto" else self._search_alpha(block, ctx, pairs, stats)
+        # The statistics follow the smoothing exactly, so the quantizer after us needs no pass of its own.
+        ctx.input_stats = smooth(block, pairs, stats, alpha)
+
+    def _search_alpha(self, block: nn.Module, ctx: BlockContext, pairs: Pairs, stats: InputStats) -> float:
+        """Try each alpha on a copy of the block, rounded to nearest with the block's schemes."""
+        n = min(self.search_samples, len(ctx.inputs))
+        inputs, kwargs = ctx.inputs[:n], ctx.kwargs[:n]
+        reference = ctx.reference_outputs[:n] if ctx.reference_outputs else run_block(block, inputs, kwargs)
+        errors = {}
+        for alpha in self.alpha_grid:
+            trial = copy.deepcopy(block)
+            trial_stats = smooth(trial, pairs, stats, alpha)
+            RTN().apply(trial, ctx)
+            calibrate_static_inputs(trial, trial_stats, inputs, kwargs)
+            errors[alpha] = relative_error(run_block(trial, inputs, kwargs), reference)
+        best = min(errors, key=errors.__getitem__)
+        log.debug("block %d: SmoothQuant output error by alpha %s -> %.2f", ctx.index, errors, best)
+        ctx.stats["alpha"] = best
+        return best
+
+
+def smooth(block: nn.Module, pairs: Pairs, stats: InputStats, alpha: float) -> InputStats:
+    """Fold the smoothing scales of every pair into `block`; the input statistics after it."""
+    for src, targets in pairs:
+        scales = smoothing_scales(stats.absmax[targets[0]], [linear_weight(block.get_submodule(t)) for t in targets],
+                                  alpha)
+        fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
+        stats = stats.divided(list(targets), scales)
+    return stats
 
 
 def foldable(block: nn.Module, src: str, targets: tuple[str, ...]) -> bool:

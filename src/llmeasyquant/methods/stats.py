@@ -12,14 +12,33 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-STATS = frozenset({"hessian", "absmax"})
+from llmeasyquant.nn.qlinear import QuantLinear
+
+STATS = frozenset({"hessian", "range"})
 
 
 @dataclass
 class InputStats:
     hessian: dict[str, torch.Tensor]  # H = 2/n · Σ x xᵀ [in, in] over every calibration token
-    absmax: dict[str, torch.Tensor]  # max |x| per input channel [in]
+    lo: dict[str, torch.Tensor]  # min x per input channel [in]
+    hi: dict[str, torch.Tensor]  # max x per input channel [in]
     kinds: frozenset[str] = STATS  # which of the two were collected
+
+    @property
+    def absmax(self) -> dict[str, torch.Tensor]:
+        """max |x| per input channel [in]."""
+        return {name: torch.maximum(-self.lo[name], self.hi[name]) for name in self.lo}
+
+    def divided(self, names: list[str], scales: torch.Tensor) -> InputStats:
+        """The statistics once the inputs of `names` are divided channel-wise by `scales` [in] (as SmoothQuant
+        and AWQ do), computed exactly from these ones instead of by another pass over the data."""
+        hessian, lo, hi = dict(self.hessian), dict(self.lo), dict(self.hi)
+        for name in names:
+            if name in hessian:
+                hessian[name] = self.hessian[name] / (scales[:, None] * scales[None, :])
+            if name in lo:
+                lo[name], hi[name] = self.lo[name] / scales, self.hi[name] / scales
+        return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=self.kinds)
 
 
 def first_output(output: object) -> torch.Tensor:
@@ -28,15 +47,29 @@ def first_output(output: object) -> torch.Tensor:
 
 
 @torch.no_grad()
+def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
+    """The block's hidden-state outputs for each calibration batch."""
+    return [first_output(block(x, **kw)) for x, kw in zip(inputs, kwargs, strict=True)]
+
+
+def relative_error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """||outputs - reference|| / ||reference|| over all batches."""
+    num = sum(float((q - r).float().pow(2).sum()) for q, r in zip(outputs, reference, strict=True))
+    den = sum(float(r.float().pow(2).sum()) for r in reference)
+    return (num / den) ** 0.5 if den > 0 else 0.0
+
+
+@torch.no_grad()
 def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: list[dict],
                         keep_outputs: bool = False, want: frozenset[str] = STATS
                         ) -> tuple[InputStats, list[torch.Tensor] | None]:
     """Statistics of what each named linear reads, and (optionally) the block's outputs, from one pass.
 
-    `want` picks the statistics ("hessian", "absmax"): a Hessian costs a GEMM per input, so only those who use it
+    `want` picks the statistics ("hessian", "range"): a Hessian costs a GEMM per input, so only those who use it
     pay for it; the others come back empty."""
     sums: dict[str, torch.Tensor] = {}
-    absmax: dict[str, torch.Tensor] = {}
+    lo: dict[str, torch.Tensor] = {}
+    hi: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     alias: dict[str, str] = {}  # name -> the name whose accumulation it shares
     # Inputs seen in the current forward pass, held (not just their addresses, which a freed tensor's successor
@@ -54,9 +87,10 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
             flat = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
             if "hessian" in want:
                 sums[name] = sums.get(name, 0) + flat.t() @ flat
-            if "absmax" in want:
-                peak = flat.abs().amax(dim=0)
-                absmax[name] = torch.maximum(absmax[name], peak) if name in absmax else peak
+            if "range" in want:
+                low, high = flat.amin(dim=0), flat.amax(dim=0)
+                lo[name] = torch.minimum(lo[name], low) if name in lo else low
+                hi[name] = torch.maximum(hi[name], high) if name in hi else high
             counts[name] = counts.get(name, 0) + flat.shape[0]
 
         return hook
@@ -79,6 +113,33 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     for name, owner in alias.items():
         if owner in hessian:
             hessian[name] = hessian[owner]
-        if owner in absmax:
-            absmax[name] = absmax[owner]
-    return InputStats(hessian=hessian, absmax=absmax, kinds=frozenset(want)), outputs
+        if owner in lo:
+            lo[name], hi[name] = lo[owner], hi[owner]
+    return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=frozenset(want)), outputs
+
+
+def static_input_layers(block: nn.Module) -> dict[str, QuantLinear]:
+    """The block's quantized linears whose activations take a static (calibrated) scale."""
+    return {name: m for name, m in block.named_modules() if isinstance(m, QuantLinear) and m.static_input}
+
+
+@torch.no_grad()
+def calibrate_static_inputs(block: nn.Module, stats: InputStats | None, inputs: list[torch.Tensor],
+                            kwargs: list[dict]) -> None:
+    """Set the static activation scale of each such layer from the range of its calibration inputs.
+
+    The ranges come from `stats` when they hold them (the float block's inputs, kept exact through smoothing),
+    otherwise from one pass over the quantized block with those layers scaling their inputs on the fly."""
+    layers = static_input_layers(block)
+    if not layers:
+        return
+    if stats is None or "range" not in stats.kinds or not set(layers) <= set(stats.lo):
+        for layer in layers.values():
+            layer.observing = True
+        try:
+            stats, _ = collect_input_stats(block, list(layers), inputs, kwargs, want=frozenset({"range"}))
+        finally:
+            for layer in layers.values():
+                layer.observing = False
+    for name, layer in layers.items():
+        layer.set_input_range(float(stats.lo[name].min()), float(stats.hi[name].max()))

@@ -2,8 +2,9 @@
 distillation (LKD).
 
 LKD trains the block's float weights so that the block, run with quantized weights and activations, matches the
-unquantized block's outputs on the same inputs. Rounding is bypassed in the backward pass (straight-through
-estimator). The trained weights are then rounded to nearest into QuantLinear layers.
+unquantized block's outputs on the same inputs: by default the unquantized model's activations, as in the paper
+(`lkd_inputs="quantized"` trains on the quantized model's instead). Rounding is bypassed in the backward pass
+(straight-through estimator). The trained weights are then rounded to nearest into QuantLinear layers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, rtn_quant_linear
+from llmeasyquant.methods.stats import first_output
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.primitives import fake_quantize
 from llmeasyquant.scheme import QuantScheme
@@ -51,6 +53,10 @@ class ZeroQuant:
     lkd: bool = True
     steps: int = 50
     lr: float = 5e-5
+    samples: int | None = None  # calibration samples LKD trains on (None: all)
+    # "float": match the float block on the unquantized model's activations (the paper); "quantized": on the
+    # quantized model's, so that each block also corrects the error of the blocks before it.
+    lkd_inputs: str = "float"
 
     name: ClassVar[str] = "zeroquant"
     kind: ClassVar[str] = "quantizer"
@@ -60,6 +66,14 @@ class ZeroQuant:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.lr <= 0:
             raise ConfigError(f"ZeroQuant needs steps >= 0 and lr > 0, got steps={self.steps}, lr={self.lr}")
+        if self.samples is not None and self.samples < 1:
+            raise ConfigError(f"ZeroQuant samples must be 1 or more (or None for all), got {self.samples}")
+        if self.lkd_inputs not in ("float", "quantized"):
+            raise ConfigError(f"ZeroQuant lkd_inputs must be 'float' or 'quantized', got {self.lkd_inputs!r}")
+
+    @property
+    def float_path(self) -> bool:
+        return self.lkd and self.steps > 0 and self.lkd_inputs == "float"
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         if self.lkd and self.steps and ctx.reference_outputs is not None:
@@ -71,6 +85,11 @@ class ZeroQuant:
             set_module(block, rel_name, layer)
 
     def _distill(self, block: nn.Module, ctx: BlockContext) -> float:
+        if self.lkd_inputs == "float":
+            inputs, targets = ctx.float_inputs, ctx.float_outputs
+        else:
+            inputs, targets = ctx.inputs, ctx.reference_outputs
+        inputs, targets = inputs[: self.samples], targets[: self.samples]
         originals = {name: block.get_submodule(name) for name in ctx.plan}
         params = [m.weight for m in originals.values()]
         flags = {p: p.requires_grad for p in block.parameters()}
@@ -85,10 +104,9 @@ class ZeroQuant:
                 for p in params:
                     p.requires_grad_(True)
                 for step in range(self.steps):
-                    i = step % len(ctx.inputs)
-                    out = block(ctx.inputs[i], **ctx.kwargs[i])
-                    out = out[0] if isinstance(out, tuple | list) else out
-                    loss = nn.functional.mse_loss(out, ctx.reference_outputs[i])
+                    i = step % len(inputs)
+                    out = first_output(block(inputs[i], **ctx.kwargs[i]))
+                    loss = nn.functional.mse_loss(out, targets[i])
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmeasyquant.errors import ConfigError
 from llmeasyquant.primitives import (
     QParams,
     check_finite,
@@ -31,7 +32,9 @@ class QuantLinear(nn.Module):
     """y = x @ ((q - zero) * scale)^T + bias, computed by a kernel chosen for the scheme and device.
 
     Buffers (all in the state dict): `qweight` int8 [out, in] for 8-bit or uint8 [out, ceil(in/2)] packed
-    for 2-4 bits; `scales` fp16 [out, groups]; `zeros` int8 [out, groups] when asymmetric; `bias` if any.
+    for 2-4 bits; `scales` fp16 [out, groups]; `zeros` int8 [out, groups] when asymmetric; `bias` if any;
+    with static activations, `input_scale` fp16 [1] (NaN until calibrated) and `input_zero` int8 [1] when the
+    activations are asymmetric.
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool,
@@ -53,6 +56,10 @@ class QuantLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype))
         else:
             self.bias = None
+        static, act_asym = scheme.static_act, scheme.act is not None and not scheme.act.symmetric
+        self.register_buffer("input_scale", torch.full((1,), float("nan"), dtype=torch.float16) if static else None)
+        self.register_buffer("input_zero", torch.zeros(1, dtype=torch.int8) if static and act_asym else None)
+        self.observing = False  # True while static input ranges are being measured: scales come from x itself
         self.kernel_name: str | None = None  # force one kernel (tests, benchmarks); None = registry's choice
         self._kernel: Any = None
         self._prepared: Any = None
@@ -93,6 +100,29 @@ class QuantLinear(nn.Module):
     def qparams(self) -> QParams:
         zero = None if self.zeros is None else self.zeros.to(torch.int32)
         return QParams(scale=self.scales.float(), zero=zero, group_size=self.group_size)
+
+    @property
+    def static_input(self) -> bool:
+        return self.input_scale is not None
+
+    def set_input_range(self, lo: float, hi: float) -> None:
+        """Calibrate the static activation scale from the range of this layer's inputs."""
+        act = self.scheme.act
+        qp = choose_qparams(torch.tensor([[lo, hi]]), act.bits, act.symmetric, act.granularity)
+        self.input_scale.copy_(qp.scale.reshape(1))
+        if self.input_zero is not None:
+            self.input_zero.copy_(qp.zero.reshape(1).to(torch.int8))
+
+    def activation_qparams(self, x: torch.Tensor) -> QParams:
+        """Scale (and zero point) of the activations x [tokens, in]: the stored static ones, or from x itself."""
+        act = self.scheme.act
+        if self.input_scale is None or self.observing:
+            return choose_qparams(x, act.bits, act.symmetric, act.granularity, scale_dtype=None)
+        if not bool(torch.isfinite(self.input_scale).all()):
+            raise ConfigError("this layer has static activation scales that were never calibrated: quantize with "
+                              "calibration data (--calib) or use dynamic activations")
+        zero = None if self.input_zero is None else self.input_zero.to(torch.int32).reshape(1, 1)
+        return QParams(scale=self.input_scale.float().reshape(1, 1), zero=zero, group_size=x.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] these integers stand for."""
