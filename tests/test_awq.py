@@ -73,3 +73,24 @@ def test_cli_awq_plus_gptq(llama_folder, wiki_text, tmp_path):
                  "--out", str(out)]) == 0
     model, _ = lq.load(out)
     assert [r["method"] for r in model.llmeasyquant.recipe] == ["awq", "gptq"]
+
+
+def test_each_method_has_a_default_scheme_used_when_none_is_given(llama_folder, wiki_text, tmp_path, capsys):
+    """`--method awq` alone quantizes to W4A16 g128 asymmetric (the paper's setting), as does the API without a plan."""
+    from llmeasyquant.api import default_scheme
+    from llmeasyquant.cli import main
+    from llmeasyquant.methods import recipe_by_name
+
+    assert default_scheme(recipe_by_name("awq+gptq")) == lq.parse_scheme("w4a16-g128-asym")
+    assert default_scheme(recipe_by_name("smoothquant+gptq")) == lq.W8A8
+    assert default_scheme(recipe_by_name("rtn")) == lq.W8A16
+    out = tmp_path / "awq"
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "awq", "--calib", str(wiki_text),
+                 "--calib-samples", "4", "--calib-seqlen", "32", "--out", str(out)]) == 0
+    assert "w4a16-g128-asym" in capsys.readouterr().out
+    model, _ = lq.load(out)
+    assert {m.scheme for m in model.modules() if isinstance(m, lq.QuantLinear)} == {lq.parse_scheme("w4a16-g128-asym")}
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "awq", "--bits", "3", "--calib", str(wiki_text),
+                 "--calib-samples", "4", "--calib-seqlen", "32", "--out", str(out), "--force"]) == 0
+    model, _ = lq.load(out)
+    assert {m.scheme.name for m in model.modules() if isinstance(m, lq.QuantLinear)} == {"w3a16"}

@@ -56,7 +56,7 @@ def test_quantize_writes_checkpoint_and_record(capsys, llama_folder: Path, tmp_p
     code, stdout, _ = run(capsys, "quantize", llama_folder, "--method", "rtn", "--bits", "8", "--out", out,
                           "--json", record_path)
     assert code == 0
-    assert stdout.startswith(f"saved {out}:")
+    assert stdout.startswith(f"saved {out} (rtn, w8a16):")
     assert "bits per quantized weight" in stdout
     assert {WEIGHTS_FILE, "config.json", QCONFIG_FILE, "tokenizer.json"} <= {p.name for p in out.iterdir()}
     rec = json.loads(record_path.read_text())

@@ -17,7 +17,7 @@ from llmeasyquant.methods.base import Method, rtn_quant_linear
 from llmeasyquant.models.arch import arch_for, get_module, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan
-from llmeasyquant.scheme import QuantScheme
+from llmeasyquant.scheme import QuantScheme, parse_scheme
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ def _check_recipe(recipe: Sequence[Method]) -> None:
         raise ConfigError("a recipe is transforms followed by exactly one quantizer, e.g. [SmoothQuant(), RTN()]")
 
 
+def default_scheme(recipe: Sequence[Method]) -> QuantScheme:
+    """The scheme a recipe is made for: its first method's (`smoothquant+gptq` -> W8A8, `awq+gptq` -> W4A16 g128)."""
+    return parse_scheme(recipe[0].default_scheme)
+
+
 def round_unquantized_to_fp16(model: nn.Module) -> None:
     """Round what stays float (embeddings, norms, biases) to fp16 values, in place and in fp32 storage.
 
@@ -62,15 +67,18 @@ def round_unquantized_to_fp16(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | QuantScheme,
+def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | QuantScheme | None = None,
              calib: torch.Tensor | None = None, keep_fp32: bool = False, progress: bool = True) -> nn.Module:
     """Quantize `model` in place and return it.
 
     `recipe` is a method or a list (transforms, then one quantizer); `plan` a Plan or one scheme for every linear
-    layer in the blocks; `calib` token ids [samples, seqlen] for methods that need calibration.
+    layer in the blocks (None: the recipe's default scheme); `calib` token ids [samples, seqlen] for methods that
+    need calibration.
     """
     recipe = [recipe] if not isinstance(recipe, Sequence) else list(recipe)
     _check_recipe(recipe)
+    if plan is None:
+        plan = default_scheme(recipe)
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ConfigError("this model is quantized already; load the unquantized model to quantize it again")
     plan = Plan.uniform(plan) if isinstance(plan, QuantScheme) else plan

@@ -29,10 +29,12 @@ def _add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> No
 
 def _add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="rtn", help=METHOD_HELP)
-    p.add_argument("--bits", type=int, default=8, help="weight bits: 2, 3, 4 or 8 (default 8)")
+    p.add_argument("--bits", type=int, help="weight bits: 2, 3, 4 or 8 (default 8). With none of --bits, "
+                   "--group-size, --asym, --act-bits, --static the method's own scheme is used: rtn w8a16, gptq "
+                   "w4a16-g128, awq w4a16-g128-asym, smoothquant w8a8, zeroquant w4a8-g64")
     p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
-    p.add_argument("--act-bits", type=int, choices=(8, 16), default=16,
+    p.add_argument("--act-bits", type=int, choices=(8, 16),
                    help="8: dynamic per-token int8 activations (W8A8 on integer kernels); 16: float activations")
     p.add_argument("--static", action="store_true",
                    help="with --act-bits 8: one static per-tensor activation scale per layer, from calibration data")
@@ -103,13 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _scheme_or_plan(args: argparse.Namespace):
+def _scheme_or_plan(args: argparse.Namespace, recipe: list):
+    from llmeasyquant.api import default_scheme
     from llmeasyquant.plan import Plan
     from llmeasyquant.scheme import make_scheme
 
     if args.plan is not None:
         return Plan.load(args.plan)
-    return make_scheme(args.bits, args.group_size, not args.asym, args.act_bits, args.static)
+    if (args.bits, args.group_size, args.act_bits) == (None, None, None) and not (args.asym or args.static):
+        return default_scheme(recipe)
+    return make_scheme(8 if args.bits is None else args.bits, args.group_size, not args.asym,
+                       16 if args.act_bits is None else args.act_bits, args.static)
 
 
 def _recipe(args: argparse.Namespace) -> list:
@@ -142,8 +148,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from llmeasyquant.eval.report import record, write_json
     from llmeasyquant.export.checkpoint import bits_per_weight, check_output, checkpoint_bytes
 
-    plan = _scheme_or_plan(args)
     recipe = _recipe(args)
+    plan = _scheme_or_plan(args, recipe)
     check_output(args.out, args.force)  # fail before minutes of work, not after
     model, tokenizer = load_model(args.model)
     calib = _calibration(args, recipe, model, tokenizer)
@@ -151,7 +157,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     folder = save(model, args.out, tokenizer, force=args.force)
     metrics = {"quantize_s": model.llmeasyquant.quantize_s, "checkpoint_bytes": checkpoint_bytes(folder),
                "bits_per_weight": bits_per_weight(model)}
-    print(f"saved {folder}: {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
+    what = plan.name if hasattr(plan, "name") else f"plan {args.plan}"
+    print(f"saved {folder} ({'+'.join(m.name for m in recipe)}, {what}): {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
           f"{metrics['bits_per_weight']:.3f} bits per quantized weight, quantized in {metrics['quantize_s']:.1f} s")
     if args.json:
         protocol = {"method": args.method, "recipe": model.llmeasyquant.recipe, "plan": model.llmeasyquant.plan,

@@ -34,28 +34,26 @@ class AWQ:
     name: ClassVar[str] = "awq"
     kind: ClassVar[str] = "transform"
     needs_calibration: ClassVar[bool] = True
+    default_scheme: ClassVar[str] = "w4a16-g128-asym"  # what --method awq quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})
     float_path: ClassVar[bool] = False
 
     @torch.no_grad()
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
-        hessians = dict(block_input_stats(block, ctx, self.input_stats).hessian)
-        ctx.input_stats = None  # the weights change below
+        stats = block_input_stats(block, ctx, self.input_stats)
+        ctx.input_stats = None  # clipping changes what later linears of the block read: not followed exactly
         for src, all_targets in ctx.arch.smoothing:
             targets = [t for t in all_targets if t in ctx.plan]
             if len(targets) != len(all_targets) or not foldable(block, src, targets):
                 continue
-            h = hessians[targets[0]]
             weights = {t: linear_weight(block.get_submodule(t)).detach().float() for t in targets}
-            scales = search_scales(weights, h, {t: ctx.plan[t] for t in targets}, self.grid)
+            scales = search_scales(weights, stats.hessian[targets[0]], {t: ctx.plan[t] for t in targets}, self.grid)
             fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
-            scaled_h = h / scales[:, None] / scales[None, :]  # the targets now read x / s
-            for t in targets:
-                hessians[t] = scaled_h
+            stats = stats.divided(targets, scales)  # the targets now read x / s
         if self.clip:
             for name, scheme in ctx.plan.items():
                 weight = linear_weight(block.get_submodule(name))
-                weight.copy_(search_clip(weight.detach().float(), hessians[name], scheme, self.clip_grid,
+                weight.copy_(search_clip(weight.detach().float(), stats.hessian[name], scheme, self.clip_grid,
                                          self.min_clip).to(weight.dtype))
 
 

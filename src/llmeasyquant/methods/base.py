@@ -40,6 +40,7 @@ class Method(Protocol):
     name: ClassVar[str]
     kind: ClassVar[str]  # "transform" (keeps float weights) or "quantizer" (swaps in QuantLinear)
     needs_calibration: ClassVar[bool]
+    default_scheme: ClassVar[str]  # scheme name used when the caller gives none (AWQ: w4a16-g128-asym)
     input_stats: ClassVar[frozenset[str]]  # statistics of its block's inputs it reads: "hessian", "range"
     float_path: bool  # reads the unquantized model's activations too (the runner then carries them)
 

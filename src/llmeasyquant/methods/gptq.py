@@ -32,6 +32,7 @@ class GPTQ:
     name: ClassVar[str] = "gptq"
     kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = True
+    default_scheme: ClassVar[str] = "w4a16-g128"  # what --method gptq quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})
     float_path: ClassVar[bool] = False
 

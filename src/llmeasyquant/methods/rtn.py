@@ -18,6 +18,7 @@ class RTN:
     name: ClassVar[str] = "rtn"
     kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = False
+    default_scheme: ClassVar[str] = "w8a16"  # what --method rtn quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset()
     float_path: ClassVar[bool] = False
 

@@ -39,6 +39,7 @@ class SmoothQuant:
     name: ClassVar[str] = "smoothquant"
     kind: ClassVar[str] = "transform"
     needs_calibration: ClassVar[bool] = True
+    default_scheme: ClassVar[str] = "w8a8"  # what --method smoothquant quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset({"range"})
     float_path: ClassVar[bool] = False
 

@@ -31,11 +31,11 @@ class InputStats:
 
     def divided(self, names: list[str], scales: torch.Tensor) -> InputStats:
         """The statistics once the inputs of `names` are divided channel-wise by `scales` [in] (as SmoothQuant
-        and AWQ do), computed exactly from these ones instead of by another pass over the data."""
+        and AWQ do), computed from these ones instead of by another pass over the data."""
         hessian, lo, hi = dict(self.hessian), dict(self.lo), dict(self.hi)
         for name in names:
             if name in hessian:
-                hessian[name] = self.hessian[name] / (scales[:, None] * scales[None, :])
+                hessian[name] = self.hessian[name] / scales[:, None] / scales[None, :]
             if name in lo:
                 lo[name], hi[name] = self.lo[name] / scales, self.hi[name] / scales
         return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=self.kinds)

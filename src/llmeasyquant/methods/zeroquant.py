@@ -61,6 +61,7 @@ class ZeroQuant:
     name: ClassVar[str] = "zeroquant"
     kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = True
+    default_scheme: ClassVar[str] = "w4a8-g64"  # what --method zeroquant quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
