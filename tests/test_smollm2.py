@@ -138,15 +138,16 @@ def test_smoothquant_beats_rtn_at_w8a8_on_smollm2(smollm2, windows, smollm2_cali
         "rtn": (lq.RTN(), "w8a8", None),
         "sq": ([SmoothQuant(0.8), lq.RTN()], "w8a8", smollm2_calib),
         "sq-static": ([SmoothQuant(0.8), lq.RTN()], "w8a8-astatic", smollm2_calib)})
-    assert metrics["sq"]["kld"] < metrics["rtn"]["kld"]
-    assert metrics["sq"]["ppl"] < metrics["rtn"]["ppl"]
+    # KL, not perplexity: on three windows the W8A8 perplexities differ by less than their noise (the 40-window
+    # benchmark has SmoothQuant ahead on both).
+    assert metrics["sq"]["kld"] < 0.85 * metrics["rtn"]["kld"]
     assert metrics["sq-static"]["ppl"] < 1.2 * metrics["fp32"]["ppl"]  # one scale per tensor still works
 
 
 def test_awq_and_symmetric_gptq_beat_rtn_at_4_bits_on_smollm2(smollm2, windows, smollm2_calib):
     metrics = _quantize_and_compare(smollm2[0], windows, {
         "rtn-asym": (lq.RTN(), "w4a16-g64-asym", None),
-        "awq": (lq.AWQ(), "w4a16-g64-asym", smollm2_calib),
+        "awq": ([lq.AWQ(), lq.RTN()], "w4a16-g64-asym", smollm2_calib),
         "rtn-sym": (lq.RTN(), "w4a16-g64", None),
         "gptq-sym": (lq.GPTQ(), "w4a16-g64", smollm2_calib)})
     assert metrics["awq"]["ppl"] < metrics["rtn-asym"]["ppl"]
