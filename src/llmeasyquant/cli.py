@@ -15,7 +15,7 @@ from llmeasyquant.errors import LLMEasyQuantError
 log = logging.getLogger("llmeasyquant")
 
 DEFAULT_MODEL = "smollm2-135m"
-METHOD_HELP = "rtn, gptq, awq, smoothquant, or a recipe such as awq+gptq or smoothquant+gptq (default rtn)"
+METHOD_HELP = "rtn, gptq, awq, smoothquant, zeroquant, or a recipe such as awq+gptq or smoothquant+gptq (default rtn)"
 
 
 def _add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:
