@@ -15,7 +15,9 @@ from llmeasyquant.errors import (
 )
 from llmeasyquant.export.checkpoint import load, save
 from llmeasyquant.methods import AWQ, GPTQ, RTN, SmoothQuant, ZeroQuant
+from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.load import load_model
+from llmeasyquant.nn.kv_cache import KVCacheSpec, KVQuantConfig, QuantizedKVCache
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan, Rule
 from llmeasyquant.runs import compare, evaluate
@@ -48,6 +50,8 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataError",
+    "KVCacheSpec",
+    "KVQuantConfig",
     "LLMEasyQuantError",
     "ModelLoadError",
     "OutputExistsError",
@@ -58,7 +62,9 @@ __all__ = [
     "Plan",
     "QuantLinear",
     "QuantScheme",
+    "QuantizedKVCache",
     "Rule",
+    "SimQuant",
     "SmoothQuant",
     "ZeroQuant",
     "__version__",

@@ -14,7 +14,9 @@ from torch import nn
 from llmeasyquant.calibration.sequential import BlockReport, run_sequential
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import Method, rtn_quant_linear
+from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.arch import arch_for, get_module, set_module
+from llmeasyquant.nn.kv_cache import KVCacheSpec
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan
 from llmeasyquant.scheme import QuantScheme, parse_scheme
@@ -32,6 +34,15 @@ class QuantizationInfo:
     source: str | None
     quantize_s: float = 0.0
     blocks: list[BlockReport] = field(default_factory=list)
+    kv_cache: KVCacheSpec | None = None  # the quantized KV cache to run with, when the recipe had SimQuant
+
+
+def _split_recipe(recipe: Sequence[Method]) -> tuple[list[Method], SimQuant | None]:
+    """The weight methods, and the KV-cache method (SimQuant) when the recipe names one."""
+    caches = [m for m in recipe if getattr(m, "kind", None) == "cache"]
+    if len(caches) > 1:
+        raise ConfigError("a recipe holds at most one KV-cache method (SimQuant)")
+    return [m for m in recipe if getattr(m, "kind", None) != "cache"], (caches[0] if caches else None)
 
 
 def _check_recipe(recipe: Sequence[Method]) -> None:
@@ -46,7 +57,7 @@ def _check_recipe(recipe: Sequence[Method]) -> None:
 
 def default_scheme(recipe: Sequence[Method]) -> QuantScheme:
     """The scheme a recipe is made for: its first method's (`smoothquant+gptq` -> W8A8, `awq+gptq` -> W4A16 g128)."""
-    return parse_scheme(recipe[0].default_scheme)
+    return parse_scheme(_split_recipe(recipe)[0][0].default_scheme)
 
 
 def round_unquantized_to_fp16(model: nn.Module) -> None:
@@ -71,11 +82,12 @@ def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | Q
              calib: torch.Tensor | None = None, keep_fp32: bool = False, progress: bool = True) -> nn.Module:
     """Quantize `model` in place and return it.
 
-    `recipe` is a method or a list (transforms, then one quantizer); `plan` a Plan or one scheme for every linear
-    layer in the blocks (None: the recipe's default scheme); `calib` token ids [samples, seqlen] for methods that
-    need calibration.
+    `recipe` is a method or a list (transforms, then one quantizer, and optionally SimQuant for the KV cache);
+    `plan` a Plan or one scheme for every linear layer in the blocks (None: the recipe's default scheme); `calib`
+    token ids [samples, seqlen] for methods that need calibration (SimQuant without it tracks key ranges online).
     """
     recipe = [recipe] if not isinstance(recipe, Sequence) else list(recipe)
+    recipe, kv_method = _split_recipe(recipe)
     _check_recipe(recipe)
     if plan is None:
         plan = default_scheme(recipe)
@@ -100,10 +112,12 @@ def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | Q
             set_module(model, name, rtn_quant_linear(module, scheme, name))
     if not keep_fp32:
         round_unquantized_to_fp16(model)
+    # The cache is calibrated last, on the quantized model: its keys are what the cache will hold.
+    kv_cache = kv_method.calibrate(model, calib, progress) if kv_method is not None else None
     elapsed = time.perf_counter() - start
     model.llmeasyquant = QuantizationInfo(
         recipe=[{"method": m.name, **dataclasses.asdict(m)} for m in recipe], plan=plan.to_dict(),
         float_dtype="float32" if keep_fp32 else "float16", source=getattr(model, "llmeasyquant_source", None),
-        quantize_s=elapsed, blocks=reports)
+        quantize_s=elapsed, blocks=reports, kv_cache=kv_cache)
     log.info("quantized %d layers in %.1f s", len(resolved), elapsed)
     return model

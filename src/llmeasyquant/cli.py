@@ -44,11 +44,28 @@ def _add_scheme_options(p: argparse.ArgumentParser) -> None:
     _add_calibration_options(p)
 
 
-def _add_calibration_options(p: argparse.ArgumentParser) -> None:
+def _add_calib_text_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib", help="calibration text for methods that need it: a file, 'wikitext2' (hub "
                    "validation split) or 'self' (text the model generates)")
     p.add_argument("--calib-samples", type=int, default=64, help="calibration samples (default 64)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sample (default 512)")
+
+
+def _add_kv_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-bits", type=int, help="quantize the KV cache (SimQuant): 2, 3, 4 or 8 bits for keys and "
+                   "values; key ranges from --calib text, or tracked online without it")
+    p.add_argument("--kv-outliers", type=float, default=0.01,
+                   help="share of each head vector kept apart in fp16 (default 0.01)")
+    p.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept in full precision (default 4)")
+    p.add_argument("--kv-key-channels", type=int, default=0,
+                   help="per head, the most sensitive key channels (calibrated) kept in fp16 (default 0)")
+    p.add_argument("--kv-levels", choices=("uniform", "nf"), default="uniform",
+                   help="uniform levels, or NF-style levels at normal quantiles (default uniform)")
+
+
+def _add_calibration_options(p: argparse.ArgumentParser) -> None:
+    _add_calib_text_options(p)
+    _add_kv_options(p)
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: quantize columns by decreasing Hessian diagonal (default: on)")
     p.add_argument("--alpha", type=_alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search it "
@@ -92,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_options(e, None)
     e.add_argument("--reference", help="unquantized model for KL / top-1 (default: the checkpoint's source model)")
     e.add_argument("--no-reference", action="store_true", help="perplexity only")
+    _add_kv_options(e)
+    _add_calib_text_options(e)
+    e.add_argument("--no-kv-cache", action="store_true",
+                   help="evaluate a checkpoint with an unquantized KV cache even when it carries a quantized one")
 
     c = sub.add_parser("compare", help="quantize with several schemes and print one comparison table")
     c.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
@@ -118,6 +139,20 @@ def _scheme_or_plan(args: argparse.Namespace, recipe: list):
                        16 if args.act_bits is None else args.act_bits, args.static)
 
 
+def _simquant(args: argparse.Namespace):
+    """The SimQuant that --kv-bits and its options describe, or None without --kv-bits."""
+    if args.kv_bits is None:
+        return None
+    from llmeasyquant.methods.simquant import SimQuant
+    from llmeasyquant.nn.kv_cache import KVQuantConfig
+
+    config = KVQuantConfig(key_bits=args.kv_bits, value_bits=args.kv_bits, outliers=args.kv_outliers,
+                           sinks=args.kv_sinks, key_channels=args.kv_key_channels, levels=args.kv_levels)
+    if args.calib is None:
+        log.info("no --calib text: the KV cache tracks key ranges online")
+    return SimQuant(config)
+
+
 def _recipe(args: argparse.Namespace) -> list:
     """The recipe `--method` names (`rtn`, `gptq`, `smoothquant`, `smoothquant+gptq`) with its options."""
     from llmeasyquant.methods import recipe_by_name
@@ -136,7 +171,8 @@ def _recipe(args: argparse.Namespace) -> list:
 def _calibration(args: argparse.Namespace, recipe: list, model: torch.nn.Module, tokenizer: object):
     from llmeasyquant.calibration.data import calibration_ids
 
-    if not any(m.needs_calibration for m in recipe) and not getattr(args, "static", False):
+    wanted = any(getattr(m, "needs_calibration", False) for m in recipe) or getattr(args, "static", False)
+    if not wanted and not (getattr(args, "kv_bits", None) is not None and args.calib):
         return None
     ids, source = calibration_ids(args.calib, model, tokenizer, args.calib_samples, args.calib_seqlen, args.seed)
     log.info("calibrating on %s: %d samples of %d tokens", source.description, ids.shape[0], ids.shape[1])
@@ -150,14 +186,18 @@ def cmd_quantize(args: argparse.Namespace) -> None:
 
     recipe = _recipe(args)
     plan = _scheme_or_plan(args, recipe)
+    kv = _simquant(args)
     check_output(args.out, args.force)  # fail before minutes of work, not after
     model, tokenizer = load_model(args.model)
     calib = _calibration(args, recipe, model, tokenizer)
-    quantize(model, recipe, plan, calib=calib, keep_fp32=args.keep_fp32, progress=not args.quiet)
+    quantize(model, recipe + ([kv] if kv else []), plan, calib=calib, keep_fp32=args.keep_fp32,
+             progress=not args.quiet)
     folder = save(model, args.out, tokenizer, force=args.force)
     metrics = {"quantize_s": model.llmeasyquant.quantize_s, "checkpoint_bytes": checkpoint_bytes(folder),
                "bits_per_weight": bits_per_weight(model)}
     what = plan.name if hasattr(plan, "name") else f"plan {args.plan}"
+    if kv is not None:
+        what += f", KV cache {kv.config.name}"
     print(f"saved {folder} ({'+'.join(m.name for m in recipe)}, {what}): {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
           f"{metrics['bits_per_weight']:.3f} bits per quantized weight, quantized in {metrics['quantize_s']:.1f} s")
     if args.json:
@@ -187,15 +227,29 @@ def cmd_eval(args: argparse.Namespace) -> None:
             reference, _ = load_model(args.reference)
     if tokenizer is None:
         raise LLMEasyQuantError(f"{args.model} has no tokenizer files; pass --reference MODEL to borrow its tokenizer")
+    kv_cache = _eval_kv_cache(args, model, tokenizer)
     result = evaluate(model, tokenizer, args.text, args.seqlen, args.max_windows, reference, args.seed,
-                      name=str(args.model), progress=not args.quiet)
+                      name=str(args.model), progress=not args.quiet, kv_cache=kv_cache)
     m, p = result["metrics"], result["protocol"]
     line = f"ppl {m['ppl']:.4f} over {m['tokens']} tokens ({m['windows']} windows of {p['seqlen']}, {p['text_source']})"
+    if kv_cache is not None:
+        line += f", KV cache {kv_cache.config.name}"
     if "kld" in m:
         line += f"; reference ppl {m['ppl_reference']:.4f}, KL {m['kld']:.5f}, top-1 {100 * m['top1']:.2f}%"
     print(line)
     if args.json:
         write_json(args.json, result)
+
+
+def _eval_kv_cache(args: argparse.Namespace, model: torch.nn.Module, tokenizer: object):
+    """The KV cache `eval` runs with: one --kv-bits describes (calibrated now), else the checkpoint's own."""
+    kv = _simquant(args)
+    if kv is not None:
+        return kv.calibrate(model, _calibration(args, [], model, tokenizer), progress=not args.quiet)
+    info = getattr(model, "llmeasyquant", None)
+    if args.no_kv_cache or info is None:
+        return None
+    return info.kv_cache
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
@@ -208,9 +262,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
     recipe = _recipe(args)  # an unknown method fails now, not after loading the model
     records = compare(args.model, schemes, recipe, args.text, args.seqlen, args.max_windows, args.keep_fp32,
                       args.workdir, args.seed, progress=not args.quiet, calib=args.calib,
-                      calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen)
+                      calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, kv=_simquant(args))
     p = records[0]["protocol"]
-    print(f"\n{args.model}, method {args.method}: {p['windows']} windows of {p['seqlen']} tokens from "
+    kv = f", KV cache {records[-1]['metrics']['kv_cache']}" if "kv_cache" in records[-1]["metrics"] else ""
+    print(f"\n{args.model}, method {args.method}{kv}: {p['windows']} windows of {p['seqlen']} tokens from "
           f"{p['text_source']} (sha256 {p['text_sha256'][:12]}…), no BOS, {p['threads']} threads\n")
     print(format_table([r["metrics"] for r in records]))
     if args.json:

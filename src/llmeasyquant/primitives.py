@@ -150,3 +150,58 @@ def check_finite(tensor: torch.Tensor, name: str) -> None:
             f"{name} has {bad} NaN or infinite value(s); the model's weights are damaged. "
             "Reload the model from a good source before quantizing."
         )
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [..., n] in [0, 2^bits) -> uint8 [..., ceil(n / 8) * bits]: each run of 8 codes fills `bits`
+    bytes, least significant bits first, so 2-, 3- and 4-bit codes pack without wasted bits (8-bit codes are
+    stored as they are, [..., n])."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    n = codes.shape[-1]
+    pad = -n % 8
+    wide = torch.nn.functional.pad(codes.to(torch.int64), (0, pad)).reshape(*codes.shape[:-1], -1, 8)
+    shifts = torch.arange(8, device=codes.device) * bits
+    word = (wide << shifts).sum(dim=-1, keepdim=True)  # 8 codes in the low 8*bits bits of one int64
+    byte_shifts = torch.arange(bits, device=codes.device) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(*codes.shape[:-1], -1)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: uint8 [..., ceil(n / 8) * bits] -> unsigned codes (uint8) [..., n]."""
+    if bits == 8:
+        return packed[..., :n]
+    chunks = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, bits)
+    word = (chunks << (torch.arange(bits, device=packed.device) * 8)).sum(dim=-1, keepdim=True)
+    codes = (word >> (torch.arange(8, device=packed.device) * bits)) & ((1 << bits) - 1)
+    return codes.to(torch.uint8).reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def normal_float_levels(bits: int) -> torch.Tensor:
+    """2^bits levels on [0, 1] placed at evenly spaced quantiles of a normal distribution (NF-style signposts):
+    dense near the middle, where roughly bell-shaped data lies, sparse at the ends."""
+    count = 2**bits
+    probs = (torch.arange(count, dtype=torch.float64) + 0.5) / count
+    z = torch.special.ndtri(probs)
+    return ((z - z[0]) / (z[-1] - z[0])).float()
+
+
+def range_quantize(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
+                   levels: torch.Tensor | None = None) -> torch.Tensor:
+    """Unsigned codes of x on the range [lo, lo + scale * (2^bits - 1)] (values outside are clamped).
+
+    Uniform levels round (x - lo) / scale; with `levels` (on [0, 1], increasing) each value takes the nearest level.
+    """
+    top = 2**bits - 1
+    t = (x.float() - lo) / scale
+    if levels is None:
+        return t.round_().clamp_(0, top).to(torch.uint8)
+    midpoints = (levels[1:] + levels[:-1]) / 2 * top
+    return torch.bucketize(t.clamp_(0, top).contiguous(), midpoints.to(t.device)).to(torch.uint8)
+
+
+def range_dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
+                     levels: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `range_quantize`, in float32."""
+    q = codes.float() if levels is None else levels.to(codes.device)[codes.long()] * (2**bits - 1)
+    return q * scale + lo

@@ -20,7 +20,9 @@ from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_win
 from llmeasyquant.eval.report import record
 from llmeasyquant.export.checkpoint import bits_per_weight, checkpoint_bytes, load, quantized_layers, save
 from llmeasyquant.methods import Method, recipe_by_name
+from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.load import load_model
+from llmeasyquant.nn.kv_cache import KVCacheSpec
 from llmeasyquant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -56,13 +58,20 @@ def quantized_weight_ratio(model: nn.Module) -> float:
 
 def evaluate(model: nn.Module, tokenizer: object, text: str | None = None, seqlen: int = 512,
              max_windows: int | None = None, reference: nn.Module | None = None, seed: int = 0,
-             name: str = "model", progress: bool = True) -> dict:
-    """Perplexity (and KL / top-1 against `reference` when given) under the house protocol, as a record."""
+             name: str = "model", progress: bool = True, kv_cache: KVCacheSpec | None = None) -> dict:
+    """Perplexity (and KL / top-1 against `reference` when given) under the house protocol, as a record.
+
+    With `kv_cache` (e.g. `model.llmeasyquant.kv_cache` of a checkpoint, or `SimQuant().calibrate(...)`) every
+    window runs through that quantized KV cache; the reference keeps the unquantized cache."""
     windows = prepare_windows(reference if reference is not None else model, tokenizer, text, seqlen,
                               max_windows, seed)
     models = {"candidate": model} | ({"reference": reference} if reference is not None else {})
-    metrics = evaluate_windows(models, windows, "reference" if reference is not None else None, progress)
+    caches = {"candidate": lambda: kv_cache.new_cache(model)} if kv_cache is not None else None
+    metrics = evaluate_windows(models, windows, "reference" if reference is not None else None, progress, caches)
     result = metrics["candidate"]
+    if kv_cache is not None:
+        result["kv_cache"] = kv_cache.config.name
+        windows.protocol["kv_cache"] = kv_cache.config.to_dict() | {"calibrated": kv_cache.key_ranges is not None}
     if reference is not None:
         result["ppl_reference"] = metrics["reference"]["ppl"]
     if quantized_layers(model):
@@ -74,22 +83,27 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
             recipe: str | Method | Sequence[Method] = "rtn",
             text: str | None = None, seqlen: int = 512, max_windows: int | None = 40, keep_fp32: bool = False,
             workdir: str | Path | None = None, seed: int = 0, progress: bool = True, calib: str | None = None,
-            calib_samples: int = 64, calib_seqlen: int = 512) -> list[dict]:
+            calib_samples: int = 64, calib_seqlen: int = 512, kv: SimQuant | None = None) -> list[dict]:
     """Quantize the model with each scheme, save and reload each checkpoint, and evaluate all of them side by
     side against the unquantized model on the same windows. Returns one record per row, fp32 first.
 
     `calib` (a file, 'wikitext2' or 'self') feeds methods that need calibration; it may not be the evaluation text.
+    `kv` adds a quantized KV cache to every quantized row (key ranges from `calib` when given, else online).
     """
     recipe = recipe_by_name(recipe) if isinstance(recipe, str) else recipe
     recipe = list(recipe) if isinstance(recipe, Sequence) else [recipe]
     recipe_name = "+".join(m.name for m in recipe)
+    if kv is not None:
+        recipe.append(kv)
     torch.manual_seed(seed)
     base, tokenizer = load_model(model_spec)
     windows = prepare_windows(base, tokenizer, text, seqlen, max_windows, seed)
     calib_ids, calib_protocol = None, {}
-    if any(m.needs_calibration for m in recipe) or any(s.static_act for s in schemes):
+    needs_calib = any(getattr(m, "needs_calibration", False) for m in recipe) or any(s.static_act for s in schemes)
+    if needs_calib or (kv is not None and calib is not None):
         if calib is None:
-            what = recipe_name if any(m.needs_calibration for m in recipe) else "static activation scales"
+            what = recipe_name if any(getattr(m, "needs_calibration", False) for m in recipe) \
+                else "static activation scales"
             raise ConfigError(f"{what} needs calibration text: pass calib=PATH, 'wikitext2' or 'self'")
         calib_ids, source = calibration_ids(calib, base, tokenizer, calib_samples, calib_seqlen, seed)
         if source.sha256 == windows.protocol["text_sha256"]:
@@ -116,7 +130,10 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
                 "checkpoint_bytes": checkpoint_bytes(folder),
                 "bits_per_weight": bits_per_weight(candidates[scheme.name]),
                 "weight_bytes_ratio": quantized_weight_ratio(candidates[scheme.name])}
-        metrics = evaluate_windows({"fp32": base, **candidates}, windows, reference="fp32", progress=progress)
+        caches = {name: (lambda m=m: m.llmeasyquant.kv_cache.new_cache(m)) for name, m in candidates.items()
+                  if m.llmeasyquant.kv_cache is not None}
+        metrics = evaluate_windows({"fp32": base, **candidates}, windows, reference="fp32", progress=progress,
+                                   caches=caches)
     base_ppl = metrics["fp32"]["ppl"]
     extra["fp32"] = {"scheme": "fp32", "bits_per_weight": 32.0, "checkpoint_bytes": float_bytes(base)}
     records = []
@@ -129,5 +146,7 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
         protocol = windows.protocol | {"unit_eval_s": unit_s}
         if name != "fp32":
             protocol |= {"recipe": [{"method": m.name, **dataclasses.asdict(m)} for m in recipe], **calib_protocol}
+            if kv is not None:
+                row["kv_cache"] = kv.config.name
         records.append(record("compare", model_spec, row, protocol))
     return records

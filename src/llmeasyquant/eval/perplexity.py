@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,18 +49,31 @@ class _Totals:
     extra: dict = field(default_factory=dict)
 
 
-def _logits(model: nn.Module, window: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Logits [seqlen - 1, vocab] in fp32 for the positions that predict a next token, and the seconds taken."""
+CacheFactory = Callable[[], object]  # a fresh transformers Cache per window
+
+
+def _logits(model: nn.Module, window: torch.Tensor, new_cache: CacheFactory | None = None
+            ) -> tuple[torch.Tensor, float]:
+    """Logits [seqlen - 1, vocab] in fp32 for the positions that predict a next token, and the seconds taken.
+
+    With `new_cache`, the window's keys and values go through that cache (written, then read back by attention),
+    so a quantized cache's error reaches the logits."""
     start = time.perf_counter()
-    out = model(window.unsqueeze(0), use_cache=False).logits[0, :-1].float()
-    return out, time.perf_counter() - start
+    if new_cache is None:
+        out = model(window.unsqueeze(0), use_cache=False)
+    else:
+        out = model(window.unsqueeze(0), past_key_values=new_cache(), use_cache=True)
+    return out.logits[0, :-1].float(), time.perf_counter() - start
 
 
 @torch.no_grad()
 def evaluate_windows(models: dict[str, nn.Module], windows: EvalWindows, reference: str | None = None,
-                     progress: bool = True) -> dict[str, dict[str, float]]:
+                     progress: bool = True, caches: dict[str, CacheFactory] | None = None
+                     ) -> dict[str, dict[str, float]]:
     """Run every model on every window. Metrics per model: ppl, nll, tokens, windows, eval_s, and, when
-    `reference` names one of `models`, kld and top1 against it."""
+    `reference` names one of `models`, kld and top1 against it. `caches` names the models whose windows run
+    through a KV cache (a factory giving a fresh one per window), e.g. a quantized cache."""
+    caches = caches or {}
     if reference is not None and reference not in models:
         raise ValueError(f"reference {reference!r} is not among the models {list(models)}")
     totals = {name: _Totals() for name in models}
@@ -68,14 +82,14 @@ def evaluate_windows(models: dict[str, nn.Module], windows: EvalWindows, referen
         targets = window[1:]
         ref_logits = ref_logprobs = None
         if reference is not None:
-            ref_logits, seconds = _logits(models[reference], window)
+            ref_logits, seconds = _logits(models[reference], window, caches.get(reference))
             ref_logprobs = torch.log_softmax(ref_logits, dim=-1)
             totals[reference].seconds += seconds
         for name, model in models.items():
             if name == reference:
                 logits, logprobs = ref_logits, ref_logprobs
             else:
-                logits, seconds = _logits(model, window)
+                logits, seconds = _logits(model, window, caches.get(name))
                 logprobs = torch.log_softmax(logits, dim=-1)
                 totals[name].seconds += seconds
             t = totals[name]
@@ -98,5 +112,7 @@ def evaluate_windows(models: dict[str, nn.Module], windows: EvalWindows, referen
     return results
 
 
-def perplexity(model: nn.Module, windows: EvalWindows, progress: bool = True) -> dict[str, float]:
-    return evaluate_windows({"model": model}, windows, progress=progress)["model"]
+def perplexity(model: nn.Module, windows: EvalWindows, progress: bool = True,
+               new_cache: CacheFactory | None = None) -> dict[str, float]:
+    caches = {"model": new_cache} if new_cache is not None else None
+    return evaluate_windows({"model": model}, windows, progress=progress, caches=caches)["model"]

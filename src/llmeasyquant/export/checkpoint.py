@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from llmeasyquant.errors import CheckpointError, ConfigError, OutputExistsError
 from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
 from llmeasyquant.models.load import no_init_weights
+from llmeasyquant.nn.kv_cache import KeyRanges, KVCacheSpec, KVQuantConfig
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.scheme import QuantScheme
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 FORMAT = "llmeasyquant"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
+KV_FILE = "kv_cache.safetensors"  # calibrated key ranges of the quantized KV cache, when there are some
 QCONFIG_FILE = "quantization_config.json"
 
 
@@ -101,9 +103,14 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
         "source_model": info.source, "recipe": info.recipe, "plan": info.plan, "tied": aliases,
         "layers": {name: layer.scheme.to_dict() for name, layer in layers.items()},
     }
+    kv = info.kv_cache
+    if kv is not None:
+        qconfig["kv_cache"] = {"config": kv.config.to_dict(), "calibrated": kv.key_ranges is not None}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "producer": FORMAT})
+        if kv is not None and kv.key_ranges is not None:
+            save_file(kv.key_ranges.to_tensors(), tmp / KV_FILE, metadata={"format": "pt", "producer": FORMAT})
         (tmp / "config.json").write_text(model.config.to_json_string())
         (tmp / QCONFIG_FILE).write_text(json.dumps(qconfig, indent=2))
         if tokenizer is not None:
@@ -132,8 +139,8 @@ def _read_qconfig(path: Path) -> dict:
     return qconfig
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    wfile = path / WEIGHTS_FILE
+def _read_tensors(path: Path, name: str = WEIGHTS_FILE) -> dict[str, torch.Tensor]:
+    wfile = path / name
     if not wfile.is_file():
         raise CheckpointError(f"{path} has no {WEIGHTS_FILE}; the checkpoint is incomplete")
     try:
@@ -197,11 +204,28 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
     from llmeasyquant.api import QuantizationInfo
 
     model.llmeasyquant = QuantizationInfo(recipe=qconfig.get("recipe", []), plan=qconfig.get("plan", {}),
-                                          float_dtype=qconfig["float_dtype"], source=qconfig.get("source_model"))
+                                          float_dtype=qconfig["float_dtype"], source=qconfig.get("source_model"),
+                                          kv_cache=_read_kv_cache(path, qconfig,
+                                                                  config.get_text_config().num_hidden_layers))
     tokenizer = None
     if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
+
+
+def _read_kv_cache(path: Path, qconfig: dict, layers: int) -> KVCacheSpec | None:
+    entry = qconfig.get("kv_cache")
+    if entry is None:
+        return None
+    try:
+        config = KVQuantConfig.from_dict(entry["config"])
+        ranges = KeyRanges.from_tensors(_read_tensors(path, KV_FILE)) if entry["calibrated"] else None
+    except (ConfigError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} has an unreadable KV-cache section ({exc}); re-create the checkpoint") from exc
+    if ranges is not None and len(ranges.lo) != layers:
+        raise CheckpointError(f"{path}/{KV_FILE} holds key ranges for {len(ranges.lo)} layers but the model has "
+                              f"{layers}; re-create the checkpoint")
+    return KVCacheSpec(config, ranges)
 
 
 def is_checkpoint(path: str | Path) -> bool:

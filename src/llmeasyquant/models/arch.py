@@ -37,7 +37,9 @@ class ArchSpec:
     attention: AttentionSpec
     # (norm or linear, linears it feeds): where SmoothQuant/AWQ can fold per-channel scales.
     smoothing: tuple[tuple[str, tuple[str, ...]], ...]
-    rotary: bool  # keys get rotary position embeddings (KV-cache quantization must act before RoPE)
+    # The module computing RoPE's (cos, sin) from position ids, None when keys carry no rotary embedding.
+    # KV-cache quantization reads it to quantize keys before rotation (rotate-half convention).
+    rotary_embedding: str | None
 
 
 _LLAMA_LIKE = dict(
@@ -53,7 +55,7 @@ _LLAMA_LIKE = dict(
         ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         ("mlp.up_proj", ("mlp.down_proj",)),
     ),
-    rotary=True,
+    rotary_embedding="model.rotary_emb",
 )
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -69,7 +71,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         lm_head="lm_head",
         attention=AttentionSpec(q=None, k=None, v=None, o="attn.c_proj", qkv="attn.c_attn"),
         smoothing=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
-        rotary=False,
+        rotary_embedding=None,
     ),
     "opt": ArchSpec(
         family="opt",
@@ -83,7 +85,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             ("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
             ("final_layer_norm", ("fc1",)),
         ),
-        rotary=False,
+        rotary_embedding=None,
     ),
 }
 

@@ -1,0 +1,147 @@
+"""SimQuant KV-cache benchmark on SmolLM2-135M: perplexity through the quantized cache, ablations, memory, generation.
+
+    python benchmarks/kv_cache.py [--seqlen 512,2048] [--max-windows 20] [--configs k4,k3,...] [--out FILE.json]
+
+Protocol: WikiText-2 raw test (../shared/data), windows of `seqlen` tokens without BOS, the first `max_windows`;
+fp32 weights; every window's keys and values are written to the cache and read back by attention. KL and top-1 are
+against the same model with the unquantized cache. Key ranges are calibrated on the first 16 consecutive 512-token
+chunks of WikiText-2 validation. Memory: one 2048-token window through the cache, bytes held by the cache object
+against an fp16 cache of the same tokens. Generation: 5 prompts, 32 greedy tokens, against the unquantized cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+import llmeasyquant as lq
+from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
+from llmeasyquant.eval.report import markdown_table, record, write_json
+from llmeasyquant.methods.simquant import SimQuant
+from llmeasyquant.nn.kv_cache import KVQuantConfig
+
+DATA = Path(__file__).resolve().parents[2] / "shared/data"
+# name -> (cache options, calibrated key ranges?)
+CONFIGS: dict[str, tuple[dict, bool]] = {
+    "k8": ({"key_bits": 8, "value_bits": 8}, True),
+    "k4": ({}, True),
+    "k3": ({"key_bits": 3, "value_bits": 3}, True),
+    "k2": ({"key_bits": 2, "value_bits": 2}, True),
+    "k4-c2": ({"key_channels": 2}, True),
+    "k3-c2": ({"key_bits": 3, "value_bits": 3, "key_channels": 2}, True),
+    "k4-nf": ({"levels": "nf"}, True),
+    "k3-nf": ({"key_bits": 3, "value_bits": 3, "levels": "nf"}, True),
+    "k2-nf": ({"key_bits": 2, "value_bits": 2, "levels": "nf"}, True),
+    "k4-online": ({}, False),
+    "k3-online": ({"key_bits": 3, "value_bits": 3}, False),
+    # ablations: each removes one idea from k4 / k3
+    "k4-token-keys": ({"key_axis": "token"}, True),
+    "k4-post-rope": ({"pre_rope": False}, True),
+    "k4-no-outliers": ({"outliers": 0.0}, True),
+    "k4-no-sinks": ({"sinks": 0}, True),
+    "k4-plain": ({"key_axis": "token", "pre_rope": False, "outliers": 0.0, "sinks": 0}, True),
+    "k3-token-keys": ({"key_bits": 3, "value_bits": 3, "key_axis": "token"}, True),
+    "k3-post-rope": ({"key_bits": 3, "value_bits": 3, "pre_rope": False}, True),
+    "k3-no-outliers": ({"key_bits": 3, "value_bits": 3, "outliers": 0.0}, True),
+    "k3-no-sinks": ({"key_bits": 3, "value_bits": 3, "sinks": 0}, True),
+    "k3-plain": ({"key_bits": 3, "value_bits": 3, "key_axis": "token", "pre_rope": False, "outliers": 0.0,
+                  "sinks": 0}, True),
+}
+PROMPTS = (
+    "The history of the city begins in",
+    "In mathematics, a prime number is",
+    "The recipe calls for two cups of flour and",
+    "She opened the letter and read the first line:",
+    "The main advantage of solar power is",
+)
+COLUMNS = (("seqlen", "seqlen", "d"), ("cache", "cache", ""), ("ppl", "ppl", ".3f"),
+           ("Δppl %", "ppl_delta_pct", "+.2f"), ("KL", "kld", ".5f"), ("top-1 %", "top1_pct", ".2f"),
+           ("eval s", "eval_s", ".1f"))
+
+
+def cache_memory(model: torch.nn.Module, spec: lq.KVCacheSpec, ids: torch.Tensor) -> dict:
+    """Bytes held after one forward pass over `ids`, quantized cache vs the unquantized one."""
+    cache, plain = spec.new_cache(model), DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[None], past_key_values=cache, use_cache=True)
+        model(ids[None], past_key_values=plain, use_cache=True)
+    plain_bytes = sum(t.numel() * t.element_size() for layer in plain.layers for t in (layer.keys, layer.values))
+    held = cache.nbytes()
+    return {"tokens": int(ids.numel()), "bytes": held, "fp16_bytes": cache.fp16_bytes(),
+            "fp32_dynamic_cache_bytes": plain_bytes, "ratio_to_fp16": held["total"] / cache.fp16_bytes()}
+
+
+def generation_match(model: torch.nn.Module, tokenizer: object, spec: lq.KVCacheSpec, new_tokens: int = 32) -> dict:
+    """Greedy continuations with the quantized cache against the unquantized cache: tokens equal before the first
+    difference, per prompt."""
+    agree = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+        plain = model.generate(ids, **options)[0, ids.shape[1]:]
+        quant = model.generate(ids, past_key_values=spec.new_cache(model), **options)[0, ids.shape[1]:]
+        same = (plain == quant).int()
+        agree.append(int(same.cumprod(0).sum()))
+    return {"prompts": len(PROMPTS), "new_tokens": new_tokens, "identical_prefix": agree,
+            "all_identical": all(n == new_tokens for n in agree)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seqlen", default="512,2048")
+    parser.add_argument("--max-windows", type=int, default=20)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--no-extras", action="store_true", help="skip the memory and generation checks")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_cache.json"))
+    args = parser.parse_args()
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown config(s) {unknown}; known: {', '.join(CONFIGS)}")
+
+    model, tokenizer = lq.load_model("smollm2-135m")
+    text = read_text_file(DATA / "wikitext-2-raw/wiki.test.raw")
+    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), model, tokenizer, args.calib_samples, 512, 0)
+    specs = {}
+    for name in names:
+        options, calibrated = CONFIGS[name]
+        specs[name] = SimQuant(KVQuantConfig(**options)).calibrate(model, calib if calibrated else None)
+    rows = []
+    for seqlen in [int(s) for s in args.seqlen.split(",")]:
+        windows = make_windows(tokenizer, text, seqlen, args.max_windows)
+        caches = {name: (lambda spec=spec: spec.new_cache(model)) for name, spec in specs.items()}
+        metrics = evaluate_windows({"fp": model} | {name: model for name in specs}, windows, reference="fp",
+                                   caches=caches)
+        base = metrics["fp"]["ppl"]
+        for name, m in metrics.items():
+            config = specs[name].config.to_dict() | {"calibrated": specs[name].key_ranges is not None} \
+                if name in specs else None
+            rows.append(m | {"seqlen": seqlen, "cache": name, "config": config, "top1_pct": 100 * m["top1"],
+                             "ppl_delta_pct": 100 * (m["ppl"] / base - 1)})
+        print(markdown_table([r for r in rows if r["seqlen"] == seqlen], COLUMNS), flush=True)
+    extras = {}
+    if not args.no_extras:
+        ids = make_windows(tokenizer, text, 2048, 1).ids[0]
+        extras["memory_2048"] = {name: cache_memory(model, specs[name], ids) for name in names}
+        extras["generation"] = {name: generation_match(model, tokenizer, specs[name]) for name in names
+                                if name in ("k8", "k4", "k3")}
+        for name, mem in extras["memory_2048"].items():
+            print(f"{name}: {mem['bytes']['total']} bytes at 2048 tokens, {mem['ratio_to_fp16']:.3f} of fp16")
+        for name, gen in extras["generation"].items():
+            print(f"{name}: identical greedy prefix per prompt {gen['identical_prefix']} of {gen['new_tokens']}")
+    protocol = windows.protocol | {"max_windows": args.max_windows, "weights": "fp32",
+                                   "calib_source": source.description, "calib_sha256": source.sha256,
+                                   "calib_samples": int(calib.shape[0]), "calib_seqlen": 512,
+                                   "threads": torch.get_num_threads()}
+    write_json(args.out, record("kv_cache", "smollm2-135m", {"rows": rows, **extras}, protocol))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

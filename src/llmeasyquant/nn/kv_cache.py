@@ -1,0 +1,427 @@
+"""QuantizedKVCache: a transformers Cache holding keys and values as packed low-bit codes, in the style of KVQuant.
+
+- Keys per channel, before rotary embedding: each (head, channel) has a fixed range, calibrated offline
+  (`KeyRanges`) or tracked online with an EMA observer; RoPE is undone on arrival and redone after dequantization,
+  because keys have fixed outlier channels that rotation would smear across pairs.
+- Values per token, with a dynamic range per (token, head).
+- Dense-and-sparse: the `outliers` share of each head vector that lies furthest out is kept apart in fp16 with
+  its index; the dense rest is quantized on the tighter range.
+- Attention sinks: the first `sinks` tokens are kept in the model's precision.
+
+Every update returns the dequantized keys and values, so the quantization error reaches attention: evaluation
+through this cache measures what a quantized cache costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.models.arch import arch_for, get_module
+from llmeasyquant.observers import EMARangeObserver
+from llmeasyquant.primitives import (
+    normal_float_levels,
+    pack_bits,
+    range_dequantize,
+    range_quantize,
+    unpack_bits,
+)
+from llmeasyquant.scheme import SUPPORTED_BITS
+
+KEY_AXES = ("channel", "token")
+LEVELS = ("uniform", "nf")
+_MIN_SCALE = 2.0**-24  # smallest positive fp16 value: a stored scale must not round to zero
+
+Rope = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (first, end) position -> cos, sin [end-first, D]
+
+
+@dataclass(frozen=True)
+class KVQuantConfig:
+    """How the cache quantizes. `outliers` is the share of each head vector kept apart in fp16 (0 for none);
+    `key_axis` 'token' and `pre_rope` False exist for ablations; `momentum` and `segment` drive online key ranges
+    (one snapshot of the tracked range per `segment` tokens)."""
+
+    key_bits: int = 4
+    value_bits: int = 4
+    outliers: float = 0.01
+    sinks: int = 4
+    key_channels: int = 0  # per head, the calibrated most sensitive key channels, kept in fp16 for every token
+    key_axis: str = "channel"
+    pre_rope: bool = True
+    levels: str = "uniform"
+    momentum: float = 0.99
+    segment: int = 128
+
+    def __post_init__(self) -> None:
+        for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
+            if bits not in SUPPORTED_BITS:
+                raise ConfigError(f"unsupported KV-cache {what} bit width {bits!r}; choose one of "
+                                  f"{', '.join(map(str, SUPPORTED_BITS))}")
+        if not 0.0 <= self.outliers < 0.5:
+            raise ConfigError(f"the KV outlier share must lie in [0, 0.5), e.g. 0.01 for 1%; got {self.outliers}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ConfigError(f"KV sinks must be a token count of 0 or more, got {self.sinks!r}")
+        if self.key_axis not in KEY_AXES:
+            raise ConfigError(f"unknown key axis {self.key_axis!r}; choose one of {', '.join(KEY_AXES)}")
+        if self.levels not in LEVELS:
+            raise ConfigError(f"unknown KV levels {self.levels!r}; choose one of {', '.join(LEVELS)}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"the EMA momentum must lie in [0, 1), got {self.momentum}")
+        if isinstance(self.key_channels, bool) or not isinstance(self.key_channels, int) or self.key_channels < 0:
+            raise ConfigError(f"key_channels must be a channel count of 0 or more, got {self.key_channels!r}")
+        if self.segment <= 0:
+            raise ConfigError(f"the key-range segment must be a positive token count, got {self.segment}")
+
+    def outlier_count(self, dim: int) -> int:
+        """Outliers kept per head vector of `dim` values: the share rounded, at least one when the share is > 0."""
+        return 0 if self.outliers == 0 else max(1, round(self.outliers * dim))
+
+    @property
+    def name(self) -> str:
+        bits = f"k{self.key_bits}v{self.value_bits}"
+        extras = [f"o{self.outliers:g}" if self.outliers else "", f"s{self.sinks}" if self.sinks else "",
+                  "" if self.key_axis == "channel" else "ktoken", "" if self.pre_rope else "postrope",
+                  "" if self.levels == "uniform" else self.levels]
+        return "-".join([bits, *filter(None, extras)])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KVQuantConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown KV-cache option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class KeyRanges:
+    """Calibrated per-channel key ranges, one [kv_heads, head_dim] lo and hi per layer, and per layer the
+    [kv_heads, key_channels] indices of the key channels kept in fp16 (no columns when none are)."""
+
+    lo: tuple[torch.Tensor, ...]
+    hi: tuple[torch.Tensor, ...]
+    kept: tuple[torch.Tensor, ...]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.lo[i], self.hi[i], self.kept[i]
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, (lo, hi, kept) in enumerate(zip(self.lo, self.hi, self.kept, strict=True)):
+            out |= {f"layers.{i}.key_lo": lo.float().contiguous(), f"layers.{i}.key_hi": hi.float().contiguous(),
+                    f"layers.{i}.key_kept": kept.to(torch.int64).contiguous()}
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> KeyRanges:
+        layers = len(tensors) // 3
+        try:
+            return cls(*(tuple(tensors[f"layers.{i}.key_{part}"] for i in range(layers))
+                         for part in ("lo", "hi", "kept")))
+        except KeyError as exc:
+            raise ConfigError(f"the KV key ranges are incomplete: {exc.args[0]} is missing") from exc
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What a model needs to build its quantized cache: the options, and the key ranges (None: tracked online)."""
+
+    config: KVQuantConfig
+    key_ranges: KeyRanges | None = None
+
+    def new_cache(self, model: nn.Module) -> QuantizedKVCache:
+        return QuantizedKVCache.for_model(model, self.config, self.key_ranges)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of `apply_rope` (rotation by -θ, divided by the squared attention scaling cos² + sin²)."""
+    return (x * cos - _rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+def rope_table(rotary: nn.Module, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [length, head_dim] in fp32 from a model's rotary-embedding module."""
+    positions = torch.arange(length, device=device)[None]
+    cos, sin = rotary(torch.zeros((), dtype=torch.float32, device=device), positions)
+    return cos[0].float(), sin[0].float()
+
+
+def _range_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, scale) as stored (fp16) for the range [lo, hi]."""
+    scale = ((hi - lo) / (2**bits - 1)).clamp(min=_MIN_SCALE)
+    return lo.half(), scale.half()
+
+
+@dataclass
+class _Stored:
+    """The tensors one kind (keys or values) keeps, each [batch, heads, tokens, x] and appended along tokens."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def append(self, **parts: torch.Tensor) -> None:
+        for name, part in parts.items():
+            old = self.tensors.get(name)
+            self.tensors[name] = part if old is None else torch.cat((old, part), dim=-2)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One attention layer's quantized cache (see the module docstring)."""
+
+    def __init__(self, config: KVQuantConfig,
+                 key_range: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, rope: Rope | None = None):
+        super().__init__()
+        self.config = config
+        self.rope = rope if config.pre_rope else None
+        self.key_range = key_range
+        self.observer = EMARangeObserver(config.momentum)
+        self.length = 0
+        self.sinks = _Stored()
+        self.key_store = _Stored()
+        self.value_store = _Stored()
+        # Channel-axis keys: (first quantized token, lo [H, D], scale [H, D]) per segment sharing one range.
+        self.segments: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.quantized = 0
+        self.kept: torch.Tensor | None = None  # [1, heads, 1, n] key channels stored in fp16
+        self.shape: tuple[int, int, int] | None = None  # batch, heads, head_dim
+
+    # transformers' layer protocol ----------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, dim = key_states.shape
+        if value_states.shape[-1] != dim:
+            raise ConfigError("QuantizedKVCache needs keys and values of the same head size")
+        if self.key_range is not None and self.config.key_axis == "channel":
+            lo, hi, kept = self.key_range
+            if tuple(lo.shape) != (heads, dim) or kept.shape[0] != heads:
+                raise ConfigError(f"the KV key ranges were calibrated for keys of shape {tuple(lo.shape)} but this "
+                                  f"model's are ({heads}, {dim}); calibrate again for this model")
+            self.segments = [(0, *_range_params(lo.to(self.device).float(), hi.to(self.device).float(),
+                                                self.config.key_bits))]
+            self.kept = kept.to(self.device).long()[None, :, None, :] if kept.numel() else None
+        self.shape = (batch, heads, dim)
+        self.levels = {bits: normal_float_levels(bits).to(self.device) if self.config.levels == "nf" else None
+                       for bits in {self.config.key_bits, self.config.value_bits}}
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        tokens = key_states.shape[-2]
+        start = self.length
+        n_sink = min(max(self.config.sinks - start, 0), tokens)
+        if n_sink:
+            self.sinks.append(keys=key_states[..., :n_sink, :], values=value_states[..., :n_sink, :])
+        if tokens > n_sink:
+            keys = key_states[..., n_sink:, :].float()
+            if self.rope is not None:
+                keys = undo_rope(keys, *self.rope(start + n_sink, start + tokens))
+            if self.key_range is None and self.config.key_axis == "channel":
+                # Online ranges: split at segment boundaries so that each segment gets its own range.
+                first = self.config.segment - (self.quantized - self.segments[-1][0]) if self.segments else 0
+                cuts = [c for c in range(first, keys.shape[-2], self.config.segment) if c > 0]
+                for piece in keys.tensor_split(cuts, dim=-2):
+                    self._store_keys(piece)
+                    self.quantized += piece.shape[-2]
+                self.quantized -= keys.shape[-2]
+            else:
+                self._store_keys(keys)
+            self._store_tokens(self.value_store, value_states[..., n_sink:, :].float(), self.config.value_bits)
+            self.quantized += tokens - n_sink
+        self.length += tokens
+        return self._keys(), self._values()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.config, self.key_range, self.rope)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for store in (self.sinks, self.key_store, self.value_store):
+            store.tensors = {k: t.index_select(0, beam_idx.to(t.device)) for k, t in store.tensors.items()}
+
+    # storage -------------------------------------------------------------------------------------------------
+    def _store_keys(self, keys: torch.Tensor) -> None:
+        if self.config.key_axis == "token":
+            self._store_tokens(self.key_store, keys, self.config.key_bits)
+            return
+        bits = self.config.key_bits
+        _, lo, scale = self._key_segment(keys)
+        lo, scale = lo.float()[:, None, :], scale.float()[:, None, :]
+        parts = {"codes": pack_bits(range_quantize(keys, lo, scale, bits, self.levels[bits]), bits)}
+        if self.kept is not None:
+            parts["kept"] = keys.gather(-1, self._kept_index(keys)).half()
+        count = self.config.outlier_count(keys.shape[-1])
+        if count:
+            # Furthest from the channel's range centre, in units of its step: what clamping would hurt most.
+            score = (keys - (lo + scale * (2**bits - 1) / 2)).abs() / scale
+            if self.kept is not None:  # stored exactly already
+                score = score.scatter(-1, self._kept_index(score), -torch.inf)
+            parts |= self._outliers(keys, score, count)
+        self.key_store.append(**parts)
+
+    def _key_segment(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The range the new keys are coded on: the calibrated one, or a snapshot of the online EMA range taken
+        when the current segment has `segment` tokens already (or none exists)."""
+        if self.key_range is not None:
+            return self.segments[-1]
+        flat = keys.transpose(1, 2).reshape(-1, keys.shape[1] * keys.shape[3])  # [batch * tokens, heads * dim]
+        share = self.config.outliers
+        if share and flat.shape[0] > 1:
+            ext = torch.quantile(flat, torch.tensor([share / 2, 1 - share / 2], device=flat.device), dim=0)
+            lo, hi = ext[0], ext[1]
+        else:
+            lo, hi = flat.amin(dim=0), flat.amax(dim=0)
+        heads, dim = keys.shape[1], keys.shape[3]
+        lo, hi = self.observer.update(lo.reshape(heads, dim), hi.reshape(heads, dim))
+        if not self.segments or self.quantized - self.segments[-1][0] >= self.config.segment:
+            self.segments.append((self.quantized, *_range_params(lo, hi, self.config.key_bits)))
+        return self.segments[-1]
+
+    def _store_tokens(self, store: _Stored, x: torch.Tensor, bits: int) -> None:
+        """Per-token (per head vector) dynamic range, after setting the outliers apart."""
+        parts: dict[str, torch.Tensor] = {}
+        count = self.config.outlier_count(x.shape[-1])
+        if count:
+            parts = self._outliers(x, (x - x.mean(dim=-1, keepdim=True)).abs(), count)
+            mask = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, parts["outlier_index"].long(), True)
+            lo = torch.where(mask, torch.inf, x).amin(dim=-1, keepdim=True)
+            hi = torch.where(mask, -torch.inf, x).amax(dim=-1, keepdim=True)
+        else:
+            lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+        lo16, scale16 = _range_params(lo, hi, bits)
+        codes = range_quantize(x, lo16.float(), scale16.float(), bits, self.levels[bits])
+        store.append(codes=pack_bits(codes, bits), lo=lo16, scale=scale16, **parts)
+
+    def _kept_index(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kept.expand(x.shape[0], -1, x.shape[2], -1)
+
+    @staticmethod
+    def _outliers(x: torch.Tensor, score: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
+        index = score.topk(count, dim=-1).indices
+        index_dtype = torch.uint8 if x.shape[-1] <= 256 else torch.int16
+        return {"outlier_values": x.gather(-1, index).half(), "outlier_index": index.to(index_dtype)}
+
+    # reading back --------------------------------------------------------------------------------------------
+    def _dequantize(self, store: _Stored, bits: int, lo_scale: list[tuple[int, torch.Tensor, torch.Tensor]] | None
+                    ) -> torch.Tensor:
+        dim = self.shape[2]
+        codes = unpack_bits(store.tensors["codes"], bits, dim)
+        levels = self.levels[bits]
+        if lo_scale is None:  # per token
+            x = range_dequantize(codes, store.tensors["lo"].float(), store.tensors["scale"].float(), bits, levels)
+        else:  # per channel, one range per segment
+            ends = [first for first, _, _ in lo_scale[1:]] + [codes.shape[-2]]
+            x = torch.cat([range_dequantize(codes[..., first:end, :], lo.float()[:, None, :],
+                                            scale.float()[:, None, :], bits, levels)
+                           for (first, lo, scale), end in zip(lo_scale, ends, strict=True)], dim=-2)
+        if "outlier_index" in store.tensors:
+            x.scatter_(-1, store.tensors["outlier_index"].long(), store.tensors["outlier_values"].float())
+        if "kept" in store.tensors:
+            x.scatter_(-1, self._kept_index(x), store.tensors["kept"].float())
+        return x
+
+    def _keys(self) -> torch.Tensor:
+        parts = [self.sinks.tensors["keys"]] if self.sinks.tensors else []
+        if self.quantized:
+            per_channel = self.segments if self.config.key_axis == "channel" else None
+            keys = self._dequantize(self.key_store, self.config.key_bits, per_channel)
+            if self.rope is not None:
+                keys = apply_rope(keys, *self.rope(self.length - self.quantized, self.length))
+            parts.append(keys.to(self.dtype))
+        return torch.cat(parts, dim=-2)
+
+    def _values(self) -> torch.Tensor:
+        parts = [self.sinks.tensors["values"]] if self.sinks.tensors else []
+        if self.quantized:
+            parts.append(self._dequantize(self.value_store, self.config.value_bits, None).to(self.dtype))
+        return torch.cat(parts, dim=-2)
+
+    def nbytes(self) -> dict[str, int]:
+        segments = sum(lo.numel() * lo.element_size() + s.numel() * s.element_size() for _, lo, s in self.segments)
+        out = {"sinks": self.sinks.nbytes(), "key_ranges": segments}
+        for store in (self.key_store, self.value_store):
+            for name, tensor in store.tensors.items():
+                part = {"codes": "codes", "kept": "kept_channels"}.get(name, "scales")
+                part = "outliers" if name.startswith("outlier") else part
+                out[part] = out.get(part, 0) + tensor.numel() * tensor.element_size()
+        return out
+
+
+class QuantizedKVCache(Cache):
+    """A transformers Cache of `QuantizedKVLayer`s: pass it as `past_key_values` to `generate` or a forward call."""
+
+    def __init__(self, num_layers: int, config: KVQuantConfig | None = None, key_ranges: KeyRanges | None = None,
+                 rotary: nn.Module | None = None):
+        config = config or KVQuantConfig()
+        if key_ranges is not None and len(key_ranges.lo) != num_layers:
+            raise ConfigError(f"the KV key ranges cover {len(key_ranges.lo)} layers but the model has {num_layers}; "
+                              "calibrate again for this model")
+        self.config = config
+        self._rotary = rotary
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        rope = self._rope if rotary is not None else None
+        ranges = [None] * num_layers if key_ranges is None else [key_ranges.layer(i) for i in range(num_layers)]
+        super().__init__(layers=[QuantizedKVLayer(config, r, rope) for r in ranges])
+
+    @classmethod
+    def for_model(cls, model: nn.Module, config: KVQuantConfig | None = None,
+                  key_ranges: KeyRanges | None = None) -> QuantizedKVCache:
+        arch = arch_for(model)
+        rotary = get_module(model, arch.rotary_embedding) if arch.rotary_embedding else None
+        return cls(model.config.get_text_config().num_hidden_layers, config, key_ranges, rotary)
+
+    def _rope(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = next(iter(self._rotary.buffers()), torch.empty(0)).device
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < end:
+            self._rope_cache = rope_table(self._rotary, end, device)
+        cos, sin = self._rope_cache
+        return cos[first:end], sin[first:end]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == len(self.layers) - 1:
+            self._rope_cache = None  # working memory of one step, not part of the cache
+        return out
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes the cache holds, by part (codes, scales, key_ranges, outliers, sinks) and in total."""
+        totals: dict[str, int] = {}
+        for layer in self.layers:
+            for part, size in layer.nbytes().items():
+                totals[part] = totals.get(part, 0) + size
+        totals["total"] = sum(totals.values())
+        return totals
+
+    def fp16_bytes(self) -> int:
+        """Bytes an fp16 cache of the same tokens would hold (keys and values)."""
+        return sum(2 * 2 * layer.length * layer.shape[0] * layer.shape[1] * layer.shape[2]
+                   for layer in self.layers if layer.shape is not None)
