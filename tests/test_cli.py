@@ -193,6 +193,67 @@ def test_compare_keeps_checkpoints_in_workdir(capsys, llama_folder: Path, wiki_t
     assert model.model.layers[0].mlp.up_proj.scheme == lq.W8A8
 
 
+# KV cache ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def calib_text(wiki_text: Path, tmp_path: Path) -> Path:
+    """Calibration text that is not the evaluation text: the second half of the snippet."""
+    path = tmp_path / "calib.txt"
+    text = wiki_text.read_text()
+    path.write_text(text[len(text) // 2:])
+    return path
+
+
+KV_CALIB = ["--calib-samples", "4", "--calib-seqlen", "32"]
+
+
+def test_quantize_with_a_quantized_kv_cache_then_eval_uses_it(capsys, llama_folder: Path, wiki_text: Path,
+                                                               calib_text: Path, tmp_path: Path) -> None:
+    out = tmp_path / "kv"
+    code, stdout, _ = run(capsys, "quantize", llama_folder, "--bits", "8", "--kv-bits", "4", "--kv-key-channels",
+                          "1", "--calib", calib_text, *KV_CALIB, "--out", out)
+    assert code == 0 and "KV cache k4v4-o0.01-s4" in stdout
+    qconfig = json.loads((out / QCONFIG_FILE).read_text())
+    assert qconfig["kv_cache"]["calibrated"] is True and qconfig["kv_cache"]["config"]["key_channels"] == 1
+    assert (out / "kv_cache.safetensors").is_file()
+    code, with_kv, _ = run(capsys, "eval", out, "--text", wiki_text, *EVAL_ARGS, "--json", tmp_path / "a.json")
+    assert code == 0 and "KV cache k4v4" in with_kv
+    code, without, _ = run(capsys, "eval", out, "--text", wiki_text, *EVAL_ARGS, "--no-kv-cache",
+                           "--json", tmp_path / "b.json")
+    assert code == 0 and "KV cache" not in without
+    a, b = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
+    assert a["metrics"]["kv_cache"] == "k4v4-o0.01-s4" and a["protocol"]["kv_cache"]["calibrated"] is True
+    assert a["metrics"]["kld"] > b["metrics"]["kld"]  # the quantized cache costs something on top of the weights
+
+
+def test_eval_a_plain_model_with_an_online_kv_cache(capsys, llama_folder: Path, wiki_text: Path) -> None:
+    code, stdout, _ = run(capsys, "eval", llama_folder, "--text", wiki_text, *EVAL_ARGS, "--kv-bits", "8",
+                          "--kv-sinks", "2", "--kv-outliers", "0")
+    assert code == 0 and "KV cache k8v8-s2" in stdout
+
+
+def test_compare_with_a_kv_cache(capsys, llama_folder: Path, wiki_text: Path, calib_text: Path,
+                                 tmp_path: Path) -> None:
+    record_path = tmp_path / "c.json"
+    code, stdout, _ = run(capsys, "compare", llama_folder, "--schemes", "w8a16", "--text", wiki_text, *EVAL_ARGS,
+                          "--kv-bits", "3", "--calib", calib_text, *KV_CALIB, "--json", record_path)
+    assert code == 0 and "KV cache k3v3-o0.01-s4" in stdout
+    fp32, w8 = (r["metrics"] for r in json.loads(record_path.read_text()))
+    assert "kv_cache" not in fp32 and w8["kv_cache"] == "k3v3-o0.01-s4" and w8["kld"] > 0
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--kv-bits", "5"], ["KV-cache key bit width 5"]),
+    (["--kv-bits", "4", "--kv-outliers", "0.9"], ["outlier share", "0.9"]),
+    (["--kv-bits", "4", "--kv-sinks", "-1"], ["sinks"]),
+])
+def test_kv_option_errors(capsys, llama_folder: Path, tmp_path: Path, args: list[str], needles: list[str]) -> None:
+    code, _, err = run(capsys, "quantize", llama_folder, *args, "--out", tmp_path / "out")
+    assert_one_line_error(code, err, *needles)
+    assert not (tmp_path / "out").exists()
+
+
 # errors ------------------------------------------------------------------------------------------------------
 
 

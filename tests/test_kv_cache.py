@@ -65,7 +65,7 @@ def test_round_trip_error_is_within_half_a_step(bits: int) -> None:
     """Keys on a calibrated range [-4, 4] and per-token values: max error within half a step (plus fp16 slack)."""
     keys, values = kv(64)
     keys = keys.clamp(-4, 4)
-    layer = QuantizedKVLayer(KVQuantConfig(bits, bits, outliers=0.0, sinks=0), flat_ranges())
+    layer = QuantizedKVLayer(KVQuantConfig(bits, bits, outliers=0.0, sinks=0, key_margin=1.0), flat_ranges())
     k_back, v_back = layer.update(keys, values)
     step_k = 8 / (2**bits - 1)
     assert (k_back - keys).abs().max() <= step_k / 2 * 1.01
@@ -81,6 +81,17 @@ def test_round_trip_error_shrinks_with_bits() -> None:
         k_back, v_back = layer.update(keys, values)
         errors.append(float((k_back - keys).pow(2).mean() + (v_back - values).pow(2).mean()))
     assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0] / 1000
+
+
+def test_eight_bit_keys_get_headroom_beyond_the_calibrated_range() -> None:
+    keys, values = kv(8)
+    keys = keys.clamp(-1, 1) * 1.8  # beyond the calibrated [-1, 1]
+    eight = QuantizedKVLayer(KVQuantConfig(8, 8, outliers=0.0, sinks=0), flat_ranges(-1, 1))
+    four = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0), flat_ranges(-1, 1))
+    assert (eight.update(keys, values)[0] - keys).abs().max() < 2 / 255  # 2x range: a step of 4/255, no clamping
+    assert four.update(keys, values)[0].abs().max() <= 1.01  # 4 bits: coded on the calibrated range itself
+    with pytest.raises(ConfigError, match="key_margin"):
+        KVQuantConfig(key_margin=0.5)
 
 
 def test_outliers_are_kept_exactly_and_tighten_the_dense_range() -> None:
