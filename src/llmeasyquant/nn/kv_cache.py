@@ -252,18 +252,16 @@ class QuantizedKVLayer(CacheLayerMixin):
             keys = key_states[..., n_sink:, :].float()
             if self.rope is not None:
                 keys = undo_rope(keys, *self.rope(start + n_sink, start + tokens))
+            pieces: tuple[torch.Tensor, ...] = (keys,)
             if self.key_range is None and self.config.key_axis == "channel":
-                # Online ranges: split at segment boundaries so that each segment gets its own range.
+                # Online ranges: split at segment boundaries so that each segment gets its own range snapshot.
                 first = self.config.segment - (self.quantized - self.segments[-1][0]) if self.segments else 0
-                cuts = [c for c in range(first, keys.shape[-2], self.config.segment) if c > 0]
-                for piece in keys.tensor_split(cuts, dim=-2):
-                    self._store_keys(piece)
-                    self.quantized += piece.shape[-2]
-                self.quantized -= keys.shape[-2]
-            else:
-                self._store_keys(keys)
+                pieces = keys.tensor_split([c for c in range(first, keys.shape[-2], self.config.segment) if c > 0],
+                                           dim=-2)
             self._store_tokens(self.value_store, value_states[..., n_sink:, :].float(), self.config.value_bits)
-            self.quantized += tokens - n_sink
+            for piece in pieces:
+                self._store_keys(piece)
+                self.quantized += piece.shape[-2]
         self.length += tokens
         return self._keys(), self._values()
 
