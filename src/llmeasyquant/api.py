@@ -99,7 +99,9 @@ def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | Q
     if not resolved:
         raise ConfigError("the plan selects no linear layer of this model; check its patterns")
     start = time.perf_counter()
-    reports = run_sequential(model, recipe, resolved, calib, progress)
+    # Calibration ids that only the KV cache needs skip the runner's per-block passes (RTN weights need none).
+    weights_need = any(m.needs_calibration for m in recipe) or any(s.static_act for s in resolved.values())
+    reports = run_sequential(model, recipe, resolved, calib if weights_need or kv_method is None else None, progress)
     # Layers outside the blocks (an LM head a rule names) are rounded to nearest: no block sees them.
     for name, scheme in resolved.items():
         if not name.startswith(arch.blocks + "."):
