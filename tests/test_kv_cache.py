@@ -305,6 +305,9 @@ def test_checkpoint_carries_the_cache(tiny_llama, random_ids, tmp_path: Path) ->
     a = model(ids, past_key_values=spec.new_cache(model), use_cache=True).logits
     b = loaded(ids, past_key_values=back.new_cache(loaded), use_cache=True).logits
     assert torch.equal(a, b)
+    (folder / "kv_cache.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"has no kv_cache\.safetensors"):
+        lq.load(folder)
     (folder / "kv_cache.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"kv_cache\.safetensors is corrupt"):
         lq.load(folder)

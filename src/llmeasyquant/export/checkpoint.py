@@ -142,7 +142,7 @@ def _read_qconfig(path: Path) -> dict:
 def _read_tensors(path: Path, name: str = WEIGHTS_FILE) -> dict[str, torch.Tensor]:
     wfile = path / name
     if not wfile.is_file():
-        raise CheckpointError(f"{path} has no {WEIGHTS_FILE}; the checkpoint is incomplete")
+        raise CheckpointError(f"{path} has no {name}; the checkpoint is incomplete")
     try:
         return load_file(wfile)
     except (SafetensorError, OSError, ValueError) as exc:
