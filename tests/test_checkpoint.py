@@ -232,7 +232,8 @@ def _expected_bits(model: nn.Module, code_bits: int, per_group_bits: int) -> flo
     ("w8a8", 8, 16, 8.0, 8.5),
     ("w4a16-g32-asym", 4, 24, 4.75, 4.75),  # 4 + (16 + 8) / 32 exactly: every width divides by 32
     ("w4a16-g32", 4, 16, 4.5, 4.5),
-    ("w2a16-g32-asym", 4, 24, 4.75, 4.75),  # 2-bit codes still take a nibble
+    ("w2a16-g32-asym", 2, 24, 2.75, 2.75),  # 2-bit codes packed four per byte
+    ("w3a16-g32", 3, 16, 3.5, 3.5),  # 3-bit codes packed eight per three bytes
     ("w4a16-g48-asym", 4, 24, 4.5, 5.0),  # partial last groups
 ])
 def test_bits_per_weight(make_model, model_kind: str, scheme: str, code_bits: int, per_group_bits: int,

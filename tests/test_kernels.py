@@ -278,8 +278,9 @@ def test_dequantize_is_within_half_a_step(scheme_name, in_features, out_features
         ("w4a16-g128", 576, 192, (192, 288), 5),  # partial last group: 4.5 -> 5
         ("w4a16-g128-asym", 100, 33, (33, 50), 1),  # group larger than the row
         ("w4a16-g32", 33, 8, (8, 17), 2),  # odd width: ceil(33 / 2) bytes
-        ("w3a16-g32", 48, 8, (8, 24), 2),
-        ("w2a16-g64-asym", 1536, 16, (16, 768), 24),
+        ("w3a16-g32", 48, 8, (8, 18), 2),  # 3 bits dense: 8 codes in 3 bytes
+        ("w3a16-g32", 50, 8, (8, 21), 2),  # a partial run of 8 codes takes whole bytes
+        ("w2a16-g64-asym", 1536, 16, (16, 384), 24),  # 4 codes per byte
         ("w4a16", 576, 16, (16, 288), 1),
     ],
 )
@@ -298,7 +299,8 @@ def test_storage_layout(scheme_name, in_features, out_features, qweight_shape, g
         assert layer.zeros.dtype == torch.int8 and tuple(layer.zeros.shape) == (out_features, groups)
         assert "zeros" in state
     assert {"qweight", "scales", "bias"} <= set(state)
-    code_bytes = out_features * (in_features if scheme.bits == 8 else math.ceil(in_features / 2))
+    per_row = {8: in_features, 4: math.ceil(in_features / 2)}.get(scheme.bits, math.ceil(in_features / 8) * scheme.bits)
+    code_bytes = out_features * per_row
     expected_bytes = code_bytes + out_features * groups * 2 + (0 if scheme.symmetric else out_features * groups)
     assert layer.storage_bytes() == expected_bytes
     # The codes view unpacks back to the signed domain, in range.

@@ -14,8 +14,10 @@ from llmeasyquant.primitives import (
     check_finite,
     choose_qparams,
     dequantize,
+    pack_bits,
     pack_int4,
     quantize,
+    unpack_bits,
     unpack_int4,
 )
 from llmeasyquant.scheme import QuantScheme
@@ -23,16 +25,39 @@ from llmeasyquant.scheme import QuantScheme
 log = logging.getLogger(__name__)
 
 
-def stored_bits(bits: int) -> int:
-    """Container width: 8-bit codes in int8, 2/3/4-bit codes packed two per byte."""
-    return 8 if bits > 4 else 4
+def packed_width(bits: int, in_features: int) -> int:
+    """Bytes per row of `qweight`: 8-bit codes as int8, 4-bit two per byte (the int4 kernels' layout), 2- and
+    3-bit densely, each run of 8 codes in `bits` bytes (so a 3-bit layer really takes 3 bits per weight)."""
+    if bits == 8:
+        return in_features
+    if bits == 4:
+        return -(-in_features // 2)
+    return -(-in_features // 8) * bits
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes [out, in] in the signed domain -> the `qweight` layout for `bits`."""
+    if bits == 8:
+        return codes
+    if bits == 4:
+        return pack_int4(codes)
+    return pack_bits((codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8), bits)
+
+
+def _unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Inverse of `_pack`: int8 codes [out, in] in the signed domain."""
+    if bits == 8:
+        return qweight
+    if bits == 4:
+        return unpack_int4(qweight, in_features)
+    return (unpack_bits(qweight, bits, in_features).to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
 class QuantLinear(nn.Module):
     """y = x @ ((q - zero) * scale)^T + bias, computed by a kernel chosen for the scheme and device.
 
-    Buffers (all in the state dict): `qweight` int8 [out, in] for 8-bit or uint8 [out, ceil(in/2)] packed
-    for 2-4 bits; `scales` fp16 [out, groups]; `zeros` int8 [out, groups] when asymmetric; `bias` if any;
+    Buffers (all in the state dict): `qweight` int8 [out, in] for 8-bit, uint8 [out, ceil(in/2)] for 4-bit,
+    uint8 [out, ceil(in/8) * bits] for 2 and 3 bits (`packed_width`); `scales` fp16 [out, groups]; `zeros` int8 [out, groups] when asymmetric; `bias` if any;
     with static activations, `input_scale` fp16 [1] (NaN until calibrated) and `input_zero` int8 [1] when the
     activations are asymmetric.
     """
@@ -43,10 +68,9 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         self.group_size = min(scheme.group_size or in_features, in_features)
         groups = -(-in_features // self.group_size)
-        if stored_bits(scheme.bits) == 8:
-            self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        else:
-            self.register_buffer("qweight", torch.zeros(out_features, -(-in_features // 2), dtype=torch.uint8))
+        dtype = torch.int8 if scheme.bits == 8 else torch.uint8
+        width = packed_width(scheme.bits, in_features)
+        self.register_buffer("qweight", torch.zeros(out_features, width, dtype=dtype))
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
         if not scheme.symmetric:
             self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.int8))
@@ -74,7 +98,7 @@ class QuantLinear(nn.Module):
                     bias.dtype if bias is not None else torch.float32)
         if qp.group_size != layer.group_size:
             raise ValueError(f"group width {qp.group_size} does not match the scheme's {layer.group_size}")
-        layer.qweight.copy_(codes if stored_bits(scheme.bits) == 8 else pack_int4(codes))
+        layer.qweight.copy_(_pack(codes, scheme.bits))
         layer.scales.copy_(qp.scale.expand_as(layer.scales).to(torch.float16))
         if layer.zeros is not None:
             layer.zeros.copy_(qp.zero.expand_as(layer.zeros).to(torch.int8))
@@ -93,9 +117,7 @@ class QuantLinear(nn.Module):
     # views ---------------------------------------------------------------------------------------
     def codes(self) -> torch.Tensor:
         """int8 codes [out, in] in the signed domain."""
-        if stored_bits(self.scheme.bits) == 8:
-            return self.qweight
-        return unpack_int4(self.qweight, self.in_features)
+        return _unpack(self.qweight, self.scheme.bits, self.in_features)
 
     def qparams(self) -> QParams:
         zero = None if self.zeros is None else self.zeros.to(torch.int32)
