@@ -2,7 +2,8 @@
 
 - W8A8: dynamic per-token int8 activations x int8 weights with `torch._int_mm` (int32 accumulation).
 - W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`.
-- W4A16 (and 2/3-bit codes, unpacked from their dense storage into a nibble when prepared): `aten._weight_int4pack_mm_for_cpu` with bf16 activations.
+- W4A16 (and 2/3-bit codes, unpacked from dense storage into nibbles when prepared):
+  `aten._weight_int4pack_mm_for_cpu` with bf16 activations.
   That operator needs the input width divisible by the group size; a partial last group is handled by
   zero-padding the input.
 

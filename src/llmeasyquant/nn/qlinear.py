@@ -57,9 +57,9 @@ class QuantLinear(nn.Module):
     """y = x @ ((q - zero) * scale)^T + bias, computed by a kernel chosen for the scheme and device.
 
     Buffers (all in the state dict): `qweight` int8 [out, in] for 8-bit, uint8 [out, ceil(in/2)] for 4-bit,
-    uint8 [out, ceil(in/8) * bits] for 2 and 3 bits (`packed_width`); `scales` fp16 [out, groups]; `zeros` int8 [out, groups] when asymmetric; `bias` if any;
-    with static activations, `input_scale` fp16 [1] (NaN until calibrated) and `input_zero` int8 [1] when the
-    activations are asymmetric.
+    uint8 [out, ceil(in/8) * bits] for 2 and 3 bits (`packed_width`); `scales` fp16 [out, groups]; `zeros` int8
+    [out, groups] when asymmetric; `bias` if any; with static activations, `input_scale` fp16 [1] (NaN until
+    calibrated) and `input_zero` int8 [1] when the activations are asymmetric.
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool,
