@@ -10,7 +10,7 @@ import torch
 
 from llmeasyquant.errors import ConfigError, DataError
 from llmeasyquant.kernels import ALL_KERNELS, select
-from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.nn.qlinear import QuantLinear, layer_storage_bytes
 from llmeasyquant.primitives import qrange
 from llmeasyquant.scheme import PerGroup, parse_scheme
 
@@ -302,7 +302,7 @@ def test_storage_layout(scheme_name, in_features, out_features, qweight_shape, g
     per_row = {8: in_features, 4: math.ceil(in_features / 2)}.get(scheme.bits, math.ceil(in_features / 8) * scheme.bits)
     code_bytes = out_features * per_row
     expected_bytes = code_bytes + out_features * groups * 2 + (0 if scheme.symmetric else out_features * groups)
-    assert layer.storage_bytes() == expected_bytes
+    assert layer.storage_bytes() == expected_bytes == layer_storage_bytes(in_features, out_features, scheme)
     # The codes view unpacks back to the signed domain, in range.
     codes = layer.codes()
     qmin, qmax = qrange(scheme.bits)

@@ -36,6 +36,7 @@ from llmeasyquant.scheme import (
     make_scheme,
     parse_scheme,
 )
+from llmeasyquant.search import Budget, MixedPrecisionSearch
 
 __all__ = [
     "AWQ",
@@ -47,12 +48,14 @@ __all__ = [
     "W8A8",
     "W8A16",
     "ActScheme",
+    "Budget",
     "CheckpointError",
     "ConfigError",
     "DataError",
     "KVCacheSpec",
     "KVQuantConfig",
     "LLMEasyQuantError",
+    "MixedPrecisionSearch",
     "ModelLoadError",
     "OutputExistsError",
     "PerChannel",

@@ -6,10 +6,11 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+
+from llmeasyquant.fileio import write_atomic
 
 # The command line being run, set by the CLI so that records name it even when main() is called in-process.
 COMMAND: str | None = None
@@ -39,17 +40,7 @@ def record(kind: str, model: str, metrics: dict, protocol: dict, command: str | 
 
 def write_json(path: str | Path, records: list[dict] | dict) -> Path:
     """Write records atomically (temporary file, then rename)."""
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(records, handle, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, lambda tmp: tmp.write_text(json.dumps(records, indent=2)))
 
 
 def _cell(value: object, fmt: str) -> str:

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llmeasyquant.errors import CheckpointError, ConfigError, OutputExistsError
+from llmeasyquant.fileio import current_umask
 from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
 from llmeasyquant.models.load import no_init_weights
 from llmeasyquant.nn.kv_cache import KeyRanges, KVCacheSpec, KVQuantConfig
@@ -39,7 +40,7 @@ def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-def _state_without_aliases(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, dict[str, str]]:
+def stored_tensors(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, dict[str, str]]:
     """State dict with tied tensors stored once ({dropped name: kept name}) and float tensors cast for storage."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -61,8 +62,7 @@ def _state_without_aliases(model: nn.Module, float_dtype: torch.dtype) -> tuple[
 
 def _usual_permissions(folder: Path) -> None:
     """mkdtemp makes a private folder; a saved checkpoint gets the permissions any new folder would get."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     folder.chmod(0o777 & ~umask)
     for file in folder.iterdir():
         file.chmod(0o666 & ~umask)
@@ -97,7 +97,7 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
     check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     float_dtype = torch.float16 if info.float_dtype == "float16" else torch.float32
-    tensors, aliases = _state_without_aliases(model, float_dtype)
+    tensors, aliases = stored_tensors(model, float_dtype)
     qconfig = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "float_dtype": info.float_dtype,
         "source_model": info.source, "recipe": info.recipe, "plan": info.plan, "tied": aliases,

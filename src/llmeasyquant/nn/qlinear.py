@@ -35,6 +35,13 @@ def packed_width(bits: int, in_features: int) -> int:
     return -(-in_features // 8) * bits
 
 
+def layer_storage_bytes(in_features: int, out_features: int, scheme: QuantScheme) -> int:
+    """Bytes a QuantLinear of this shape and scheme stores: codes, fp16 scales, int8 zero points (no bias)."""
+    groups = -(-in_features // min(scheme.group_size or in_features, in_features))
+    per_group = 2 if scheme.symmetric else 3
+    return out_features * (packed_width(scheme.bits, in_features) + groups * per_group)
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """int8 codes [out, in] in the signed domain -> the `qweight` layout for `bits`."""
     if bits == 8:

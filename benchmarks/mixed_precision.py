@@ -1,0 +1,138 @@
+"""Mixed-precision search on SmolLM2-135M against uniform bit widths, with the same quantizer (GPTQ).
+
+    python benchmarks/mixed_precision.py [--budgets 3.0,3.5,4.0,4.5,5.0,5.5] [--uniform 2,3,4,8] [--max-windows 40]
+        [--sensitivity kl] [--group-size 64] [--out benchmarks/results/mixed_precision.json]
+
+Protocol: calibration on the first 64 consecutive 512-token chunks of WikiText-2 validation (../shared/data); the
+sensitivities are measured once (timed: the search's cost) and every budget is allocated from them. Each plan and
+each uniform width is quantized with GPTQ (act-order, asymmetric, the given group size) on the same calibration,
+saved, and evaluated on WikiText-2 raw test, windows of 512 tokens without BOS, the first `max_windows`, against
+the fp32 model on the same windows. Sizes: stored bits per quantized weight (scales and zero points included) and
+the bytes of the saved model.safetensors against the model's weights in fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import llmeasyquant as lq
+from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
+from llmeasyquant.eval.plots import plot_bits_per_layer, plot_size_quality
+from llmeasyquant.eval.report import markdown_table, record, write_json
+from llmeasyquant.export.checkpoint import WEIGHTS_FILE, bits_per_weight
+from llmeasyquant.runs import float_bytes
+from llmeasyquant.scheme import PerGroup, QuantScheme
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared/data"
+COLUMNS = (("model", "name", ""), ("bits/w", "bits_per_weight", ".3f"), ("MB", "tensor_mb", ".2f"),
+           ("fp16 / size", "fp16_ratio", ".2f"), ("ppl", "ppl", ".3f"), ("Δppl %", "ppl_delta_pct", "+.2f"),
+           ("KL", "kld", ".4f"), ("top-1 %", "top1_pct", ".2f"), ("quant s", "quantize_s", ".0f"))
+
+
+def quantize_and_measure(base: torch.nn.Module, plan: lq.Plan | QuantScheme, calib: torch.Tensor,
+                         tokenizer: object) -> tuple[torch.nn.Module, dict]:
+    model = lq.quantize(copy.deepcopy(base), lq.GPTQ(), plan, calib=calib)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = lq.save(model, Path(scratch) / "ckpt", tokenizer)
+        tensor_bytes = (folder / WEIGHTS_FILE).stat().st_size
+    return model, {"bits_per_weight": bits_per_weight(model), "tensor_bytes": tensor_bytes,
+                   "quantize_s": model.llmeasyquant.quantize_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--budgets", default="3.0,3.5,4.0,4.5,5.0,5.5")
+    parser.add_argument("--uniform", default="2,3,4,8")
+    parser.add_argument("--max-windows", type=int, default=40)
+    parser.add_argument("--sensitivity", default="kl")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/mixed_precision.json")
+    parser.add_argument("--figures", type=Path, default=ROOT / "docs/figures")
+    args = parser.parse_args()
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    uniform = [int(b) for b in args.uniform.split(",") if b.strip()]
+
+    base, tokenizer = lq.load_model("smollm2-135m")
+    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), base, tokenizer, args.calib_samples, 512)
+    windows = make_windows(tokenizer, read_text_file(DATA / "wikitext-2-raw/wiki.test.raw"), 512, args.max_windows)
+    search = lq.MixedPrecisionSearch(group_size=args.group_size, sensitivity=args.sensitivity)
+    start = time.perf_counter()
+    sens = search.measure(base, calib)  # timed alone, first, on an idle machine
+    print(f"sensitivities measured in {time.perf_counter() - start:.1f} s", flush=True)
+
+    plans = {b: search.allocate(sens, lq.Budget(avg_bits=b)) for b in budgets}
+    candidates, rows = {}, {}
+    for bits in uniform:
+        name = f"uniform {bits}-bit"
+        scheme = QuantScheme(bits, False, PerGroup(args.group_size))
+        candidates[name], rows[name] = quantize_and_measure(base, scheme, calib, tokenizer)
+        rows[name] |= {"kind": "uniform", "bits": bits}
+    for budget, result in plans.items():
+        name = f"searched {budget:g} bits"
+        candidates[name], rows[name] = quantize_and_measure(base, result.plan, calib, tokenizer)
+        rows[name] |= {"kind": "searched", "budget_avg_bits": budget, "predicted": result.predicted,
+                       "bits_histogram": result.bits_histogram()}
+        result.save(args.out.with_name(f"plan_{budget:g}bits.json"), force=True)
+    metrics = evaluate_windows({"fp32": base, **candidates}, windows, reference="fp32")
+
+    fp16_bytes = float_bytes(base, 2)
+    base_ppl = metrics["fp32"]["ppl"]
+    table = [{"name": "fp32", "ppl": base_ppl, "fp16_ratio": 0.5, "tensor_mb": 2 * fp16_bytes / 2**20}]
+    for name, row in rows.items():
+        m = metrics[name]
+        row |= m | {"name": name, "tensor_mb": row["tensor_bytes"] / 2**20,
+                    "fp16_ratio": fp16_bytes / row["tensor_bytes"], "ppl_delta_pct": 100 * (m["ppl"] / base_ppl - 1),
+                    "top1_pct": 100 * m["top1"]}
+        table.append(row)
+    print(markdown_table(table, COLUMNS))
+
+    checks = {}
+    u3, u4 = rows.get("uniform 3-bit"), rows.get("uniform 4-bit")
+    if u3 and u4 and 3.5 in plans:
+        midpoint = (u3["ppl"] + u4["ppl"]) / 2
+        checks["3.5_below_midpoint"] = {"ppl": rows["searched 3.5 bits"]["ppl"], "midpoint": midpoint,
+                                        "met": rows["searched 3.5 bits"]["ppl"] < midpoint,
+                                        "bits_per_weight": rows["searched 3.5 bits"]["bits_per_weight"]}
+    if u4 and 4.5 in plans:
+        checks["4.5_below_uniform_4"] = {"ppl": rows["searched 4.5 bits"]["ppl"], "uniform_4": u4["ppl"],
+                                         "met": rows["searched 4.5 bits"]["ppl"] < u4["ppl"],
+                                         "bits_per_weight": rows["searched 4.5 bits"]["bits_per_weight"]}
+    within = [r for r in rows.values() if r["ppl"] <= 1.05 * base_ppl]
+    if within:
+        smallest = min(within, key=lambda r: r["tensor_bytes"])
+        checks["smallest_within_5pct"] = {"name": smallest["name"], "fp16_ratio": smallest["fp16_ratio"],
+                                          "ppl": smallest["ppl"], "ppl_delta_pct": smallest["ppl_delta_pct"]}
+    print(checks)
+
+    protocol = windows.protocol | {"max_windows": args.max_windows, "quantizer": "gptq act-order asym",
+                                   "group_size": args.group_size, "calib_source": source.description,
+                                   "calib_sha256": source.sha256, "calib_samples": int(calib.shape[0]),
+                                   "calib_seqlen": 512, "threads": torch.get_num_threads(),
+                                   "search": {"sensitivity": args.sensitivity, "candidates": search.candidates,
+                                              "probe_samples": search.probe_samples,
+                                              "probe_tokens": search.probe_tokens}}
+    results = {"search_s": sens.measure_s, "fp32_ppl": base_ppl, "fp16_bytes": fp16_bytes, "rows": table,
+               "checks": checks}
+    write_json(args.out, record("mixed_precision", "smollm2-135m", results, protocol))
+    label = f"SmolLM2-135M, GPTQ g{args.group_size}, WikiText-2 test, {args.max_windows} x 512 tokens"
+    series = {kind: [(r["tensor_mb"], r["ppl"]) for r in rows.values() if r["kind"] == kind]
+              for kind in ("uniform", "searched")}
+    plot_size_quality(series, args.figures / "mixed_precision_pareto.png", label, reference=base_ppl,
+                      xlabel="model.safetensors MB")
+    if 3.5 in plans:
+        plot_bits_per_layer(plans[3.5], args.figures / "mixed_precision_bits_3.5.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
