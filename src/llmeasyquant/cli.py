@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -94,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="full tracebacks and debug logging")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--distributed", action="store_true", help="quantize or eval on torch.distributed (implied "
+                        "under torchrun): calibration data, layer solves and evaluation windows shared out")
+    parser.add_argument("--backend", choices=("gloo", "nccl"),
+                        help="torch.distributed backend (default: nccl when every rank has a GPU, else gloo)")
+    parser.add_argument("--dist-timeout", type=float, default=300.0,
+                        help="seconds a rank waits for its peers before the run fails (default 300)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     q = sub.add_parser("quantize", help="quantize a model and save the checkpoint")
@@ -211,7 +219,7 @@ def _calibration(args: argparse.Namespace, recipe: list, model: torch.nn.Module,
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
-    from llmeasyquant import load_model, quantize, save
+    from llmeasyquant import load_model, quantize
     from llmeasyquant.eval.report import record, write_json
     from llmeasyquant.export.checkpoint import bits_per_weight, check_output, checkpoint_bytes
 
@@ -223,7 +231,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     calib = _calibration(args, recipe, model, tokenizer)
     quantize(model, recipe + ([kv] if kv else []), plan, calib=calib, keep_fp32=args.keep_fp32,
              progress=not args.quiet)
-    folder = save(model, args.out, tokenizer, force=args.force)
+    folder = _save_on_writer(model, args.out, tokenizer, args.force)
+    if folder is None:
+        return  # another rank wrote it, and reports it
     metrics = {"quantize_s": model.llmeasyquant.quantize_s, "checkpoint_bytes": checkpoint_bytes(folder),
                "bits_per_weight": bits_per_weight(model)}
     what = plan.name if hasattr(plan, "name") else f"plan {args.plan}"
@@ -236,6 +246,16 @@ def cmd_quantize(args: argparse.Namespace) -> None:
                     "seed": args.seed,
                     "calib": args.calib, "calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
         write_json(args.json, record("quantize", args.model, metrics, protocol))
+
+
+def _save_on_writer(model: torch.nn.Module, out: Path, tokenizer: object, force: bool) -> Path | None:
+    """Rank 0 writes the checkpoint (every rank holds the same weights) and gets its path; the others get None
+    once it is complete."""
+    from llmeasyquant import distributed, save
+
+    folder = save(model, out, tokenizer, force=force) if distributed.is_writer() else None
+    distributed.barrier()
+    return folder
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -369,6 +389,32 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "compare": cmd_compare, "search": cmd_search}
 
 
+DISTRIBUTED_COMMANDS = ("quantize", "eval")
+
+
+@contextlib.contextmanager
+def _distributed_run(args: argparse.Namespace):
+    """Join the process group when asked (or under torchrun); ranks other than 0 print nothing and write nothing."""
+    from llmeasyquant import distributed
+
+    if not (args.distributed or distributed.launched_by_torchrun()):
+        yield
+        return
+    if args.command not in DISTRIBUTED_COMMANDS:
+        raise LLMEasyQuantError(f"{args.command} does not run distributed; run it in one process (distributed: "
+                                f"{', '.join(DISTRIBUTED_COMMANDS)})")
+    distributed.init(args.backend, args.dist_timeout)
+    try:
+        if distributed.is_writer():
+            yield
+        else:
+            args.quiet, args.json = True, None
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+                yield
+    finally:
+        distributed.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
@@ -386,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     try:
-        COMMANDS[args.command](args)
+        with _distributed_run(args):
+            COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("llmeasyquant: interrupted", file=sys.stderr)
         return 130

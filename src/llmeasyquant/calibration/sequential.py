@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmeasyquant import distributed
+from llmeasyquant.calibration.shared_solves import apply_shared
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, Method
 from llmeasyquant.methods.stats import calibrate_static_inputs, collect_input_stats, relative_error, run_block
@@ -34,6 +36,7 @@ class BlockReport:
     layers: int
     output_rel_error: float | None  # ||quantized - float|| / ||float|| on the calibration inputs, when given
     choices: dict[str, float] = field(default_factory=dict)  # what the methods chose here, e.g. SmoothQuant's alpha
+    sent_bytes: int = 0  # what this rank put into collectives for this block (0 in a single process)
 
 
 @torch.no_grad()
@@ -83,6 +86,11 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     # hands them on, so the quantizer after it needs no pass of its own; static activation scales read the ranges.
     first_pass_stats = frozenset().union(*(m.input_stats for m in recipe), {"range"} if static else set())
     inputs = kwargs = float_inputs = None
+    if calib is not None and distributed.active():
+        if calib.shape[0] < distributed.world():
+            raise ConfigError(f"{calib.shape[0]} calibration samples cannot be shared out over {distributed.world()} "
+                              "ranks: give at least one sample per rank (--calib-samples)")
+        calib = calib[distributed.shard(calib.shape[0])]  # this rank's batches; statistics are summed over ranks
     if calib is not None:
         inputs, kwargs = capture_block_inputs(model, calib)
         if any(m.float_path for m in recipe):
@@ -91,6 +99,7 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     bar = tqdm(range(len(blocks)), desc="quantizing blocks", unit="block", disable=not progress)
     for index in bar:
         block = blocks[index]
+        sent_before = distributed.sent_bytes()
         ctx = BlockContext(index=index, prefix=f"{arch.blocks}.{index}.", plan=per_block[index], arch=arch,
                            inputs=inputs, kwargs=kwargs)
         reference = None
@@ -103,7 +112,10 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
             ctx.float_inputs = float_inputs
             ctx.float_outputs = reference if float_inputs is inputs else run_block(block, float_inputs, kwargs)
         for method in recipe:
-            method.apply(block, ctx)
+            if distributed.active() and method.kind == "quantizer":
+                apply_shared(method, block, ctx)
+            else:
+                method.apply(block, ctx)
         error = None
         if inputs is not None:
             calibrate_static_inputs(block, ctx.input_stats, inputs, kwargs)
@@ -112,6 +124,6 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
             error = relative_error(inputs, reference)
             bar.set_postfix(out_err=f"{error:.4f}", **{k: f"{v:.3g}" for k, v in ctx.stats.items()})
         reports.append(BlockReport(index=index, layers=len(per_block[index]), output_rel_error=error,
-                                   choices=dict(ctx.stats)))
+                                   choices=dict(ctx.stats), sent_bytes=distributed.sent_bytes() - sent_before))
         log.debug("block %d: %d layers quantized, output error %s", index, len(per_block[index]), error)
     return reports

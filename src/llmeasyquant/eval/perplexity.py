@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmeasyquant import distributed
 from llmeasyquant.calibration.data import TextSource, consecutive_chunks, tokenize
 from llmeasyquant.eval.fidelity import kl_sum, top1_matches
 
@@ -77,7 +78,9 @@ def evaluate_windows(models: dict[str, nn.Module], windows: EvalWindows, referen
     if reference is not None and reference not in models:
         raise ValueError(f"reference {reference!r} is not among the models {list(models)}")
     totals = {name: _Totals() for name in models}
-    bar = tqdm(windows.ids, desc="evaluating windows", unit="window", disable=not progress)
+    # Under torch.distributed each rank evaluates its share of the windows; the sums are all-reduced below.
+    bar = tqdm(windows.ids[distributed.shard(windows.ids.shape[0])], desc="evaluating windows", unit="window",
+               disable=not progress)
     for window in bar:
         targets = window[1:]
         ref_logits = ref_logprobs = None
@@ -101,6 +104,10 @@ def evaluate_windows(models: dict[str, nn.Module], windows: EvalWindows, referen
         if reference is None and len(models) == 1:
             only = next(iter(totals.values()))
             bar.set_postfix(ppl=f"{math.exp(only.nll / only.tokens):.3f}")
+    for t in totals.values():
+        t.nll, t.kl, top1, tokens = distributed.all_reduce_floats([t.nll, t.kl, t.top1, t.tokens])
+        t.top1, t.tokens = int(top1), int(tokens)
+        t.seconds = float(distributed.all_reduce(torch.tensor(t.seconds, dtype=torch.float64), "max"))
     results = {}
     for name, t in totals.items():
         metrics = {"ppl": math.exp(t.nll / t.tokens), "nll": t.nll / t.tokens, "tokens": t.tokens,

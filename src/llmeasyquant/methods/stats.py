@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmeasyquant import distributed
 from llmeasyquant.nn.qlinear import QuantLinear
 
 STATS = frozenset({"hessian", "range"})
@@ -53,9 +54,10 @@ def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) 
 
 
 def relative_error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    """||outputs - reference|| / ||reference|| over all batches."""
+    """||outputs - reference|| / ||reference|| over all batches (of every rank, under torch.distributed)."""
     num = sum(float((q - r).float().pow(2).sum()) for q, r in zip(outputs, reference, strict=True))
     den = sum(float(r.float().pow(2).sum()) for r in reference)
+    num, den = distributed.all_reduce_floats([num, den])
     return (num / den) ** 0.5 if den > 0 else 0.0
 
 
@@ -109,6 +111,14 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     missing = [n for n in names if n not in counts and n not in alias]
     if missing:
         raise RuntimeError(f"no calibration input reached {missing}; the block's forward never called them")
+    # Under torch.distributed each rank saw its share of the batches: sum the statistics over ranks (in the order
+    # the hooks fired, which every rank shares) so that all of them hold the statistics of all the data.
+    for name in counts:
+        counts[name] = int(distributed.all_reduce(torch.tensor(counts[name], dtype=torch.int64)))
+        if name in sums:
+            sums[name] = distributed.all_reduce(sums[name])
+        if name in lo:
+            lo[name], hi[name] = distributed.all_reduce(lo[name], "min"), distributed.all_reduce(hi[name], "max")
     hessian = {name: 2 * sums[name] / counts[name] for name in sums}
     for name, owner in alias.items():
         if owner in hessian:

@@ -163,13 +163,17 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # compute -------------------------------------------------------------------------------------
+    def forget_kernel(self) -> None:
+        """Drop what the kernel prepared from the buffers (after they were overwritten in place)."""
+        self._kernel, self._prepared = None, None
+
     def _apply(self, fn, recurse: bool = True):
         # Moving or casting the module invalidates whatever the kernel prepared from the buffers.
-        self._kernel, self._prepared = None, None
+        self.forget_kernel()
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self._kernel, self._prepared = None, None
+        self.forget_kernel()
         super()._load_from_state_dict(*args, **kwargs)
 
     def kernel(self) -> Any:
