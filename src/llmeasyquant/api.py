@@ -16,6 +16,7 @@ from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import Method, rtn_quant_linear
 from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.arch import arch_for, get_module, set_module
+from llmeasyquant.models.streaming import BlockStreamer
 from llmeasyquant.nn.kv_cache import KVCacheSpec
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan
@@ -79,12 +80,14 @@ def round_unquantized_to_fp16(model: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | QuantScheme | None = None,
-             calib: torch.Tensor | None = None, keep_fp32: bool = False, progress: bool = True) -> nn.Module:
+             calib: torch.Tensor | None = None, keep_fp32: bool = False, progress: bool = True,
+             stream: BlockStreamer | None = None) -> nn.Module:
     """Quantize `model` in place and return it.
 
     `recipe` is a method or a list (transforms, then one quantizer, and optionally SimQuant for the KV cache);
     `plan` a Plan or one scheme for every linear layer in the blocks (None: the recipe's default scheme); `calib`
     token ids [samples, seqlen] for methods that need calibration (SimQuant without it tracks key ranges online).
+    `stream` (from `load_model_streamed`) reads each block's weights only when its turn comes.
     """
     recipe = [recipe] if not isinstance(recipe, Sequence) else list(recipe)
     recipe, kv_method = _split_recipe(recipe)
@@ -101,7 +104,8 @@ def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | Q
     start = time.perf_counter()
     # Calibration ids that only the KV cache needs skip the runner's per-block passes (RTN weights need none).
     weights_need = any(m.needs_calibration for m in recipe) or any(s.static_act for s in resolved.values())
-    reports = run_sequential(model, recipe, resolved, calib if weights_need or kv_method is None else None, progress)
+    reports = run_sequential(model, recipe, resolved, calib if weights_need or kv_method is None else None, progress,
+                             stream)
     # Layers outside the blocks (an LM head a rule names) are rounded to nearest: no block sees them.
     for name, scheme in resolved.items():
         if not name.startswith(arch.blocks + "."):

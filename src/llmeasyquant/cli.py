@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scheme_options(q)
     q.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
     q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.add_argument("--stream", action="store_true", help="for a Hugging Face folder: read each block's weights only "
+                   "when it is quantized, so at most two blocks' float weights are ever in memory")
     q.add_argument("--seed", type=int, default=0, help="seed for generated calibration text")
     q.add_argument("--json", type=Path, help="write the result record to this JSON file")
 
@@ -227,10 +229,19 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     plan = _scheme_or_plan(args, recipe)
     kv = _simquant(args)
     check_output(args.out, args.force)  # fail before minutes of work, not after
-    model, tokenizer = load_model(args.model)
+    stream = None
+    if args.stream:
+        from llmeasyquant.models.streaming import load_model_streamed
+
+        if args.calib == "self":
+            raise LLMEasyQuantError("--stream reads each block only when it is quantized, so the model cannot write "
+                                    "its own calibration text first: pass --calib PATH")
+        model, tokenizer, stream = load_model_streamed(args.model)
+    else:
+        model, tokenizer = load_model(args.model)
     calib = _calibration(args, recipe, model, tokenizer)
     quantize(model, recipe + ([kv] if kv else []), plan, calib=calib, keep_fp32=args.keep_fp32,
-             progress=not args.quiet)
+             progress=not args.quiet, stream=stream)
     folder = _save_on_writer(model, args.out, tokenizer, args.force)
     if folder is None:
         return  # another rank wrote it, and reports it

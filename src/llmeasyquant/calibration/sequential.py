@@ -21,6 +21,7 @@ from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, Method
 from llmeasyquant.methods.stats import calibrate_static_inputs, collect_input_stats, relative_error, run_block
 from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
+from llmeasyquant.models.streaming import BlockStreamer
 from llmeasyquant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,10 @@ def _block_plans(model: nn.Module, arch: ArchSpec, plan: dict[str, QuantScheme])
 
 
 def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, QuantScheme],
-                   calib: torch.Tensor | None = None, progress: bool = True) -> list[BlockReport]:
-    """Apply `recipe` to every block in order. `calib` holds token ids [samples, seqlen] when any method needs it."""
+                   calib: torch.Tensor | None = None, progress: bool = True,
+                   stream: BlockStreamer | None = None) -> list[BlockReport]:
+    """Apply `recipe` to every block in order. `calib` holds token ids [samples, seqlen] when any method needs it;
+    `stream` reads each block's weights just before its turn (a model loaded by `load_model_streamed`)."""
     arch = arch_for(model)
     blocks = blocks_of(model)
     per_block = _block_plans(model, arch, plan)
@@ -98,6 +101,8 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     reports = []
     bar = tqdm(range(len(blocks)), desc="quantizing blocks", unit="block", disable=not progress)
     for index in bar:
+        if stream is not None:
+            stream.load_block(index)
         block = blocks[index]
         sent_before = distributed.sent_bytes()
         ctx = BlockContext(index=index, prefix=f"{arch.blocks}.{index}.", plan=per_block[index], arch=arch,

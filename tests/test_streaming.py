@@ -1,0 +1,78 @@
+"""Block streaming: a model whose blocks are read from safetensors one at a time quantizes to exactly the weights
+of the model loaded whole, while never holding more than two blocks' float weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmeasyquant as lq
+from cli_helpers import assert_one_line_error, run
+from conftest import build_model
+from llmeasyquant.models.streaming import load_model_streamed
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("stream")
+    paths = {}
+    for kind in ("llama", "gpt2"):
+        paths[kind] = root / kind
+        build_model(kind).save_pretrained(paths[kind])
+        tiny_tokenizer.save_pretrained(paths[kind])
+    return paths
+
+
+def _quantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if k.endswith(("qweight", "scales", "zeros"))}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_streamed_quantization_equals_whole_model(folders, kind: str, method: str) -> None:
+    calib = torch.randint(3, 256, (4, 32), generator=torch.Generator().manual_seed(3))
+    recipe = lq.GPTQ() if method == "gptq" else lq.RTN()
+    scheme = lq.parse_scheme("w4a16-g32-asym")
+    whole, _ = lq.load_model(str(folders[kind]))
+    lq.quantize(whole, recipe, scheme, calib=calib, progress=False)
+    streamed, _, streamer = load_model_streamed(folders[kind])
+    assert streamer.float_blocks() == 0  # nothing of the blocks read yet
+    lq.quantize(streamed, recipe, scheme, calib=calib, progress=False, stream=streamer)
+    assert 1 <= streamer.max_float_blocks <= 2
+    expected, got = _quantized(whole), _quantized(streamed)
+    assert expected.keys() == got.keys() and expected
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    ids = calib[:1]
+    assert torch.allclose(whole(ids).logits, streamed(ids).logits, atol=1e-5)
+
+
+def test_a_missing_tensor_is_a_clear_error(tiny_tokenizer, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    build_model("llama").save_pretrained(broken)
+    tiny_tokenizer.save_pretrained(broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    _, _, streamer = load_model_streamed(broken)
+    streamer.load_block(0)
+    with pytest.raises(lq.ModelLoadError, match=r"lacks the tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        streamer.load_block(1)
+    with pytest.raises(lq.ModelLoadError, match="not a Hugging Face model folder"):
+        load_model_streamed(tmp_path)
+
+
+def test_cli_stream(capsys, llama_folder: Path, tmp_path: Path) -> None:
+    code, out, err = run(capsys, "quantize", llama_folder, "--bits", "4", "--group-size", "32", "--stream",
+                         "--out", tmp_path / "streamed")
+    assert code == 0, err
+    code, out_whole, err = run(capsys, "quantize", llama_folder, "--bits", "4", "--group-size", "32",
+                               "--out", tmp_path / "whole")
+    assert code == 0, err
+    assert out.split(": ", 1)[1].split(", quantized")[0] == out_whole.split(": ", 1)[1].split(", quantized")[0]
+    code, _, err = run(capsys, "quantize", llama_folder, "--method", "gptq", "--stream", "--calib", "self",
+                       "--out", tmp_path / "self")
+    assert_one_line_error(code, err, "--stream", "--calib PATH")
