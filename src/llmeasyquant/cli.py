@@ -12,83 +12,19 @@ from pathlib import Path
 
 import torch
 
+from llmeasyquant.cli_options import (
+    DEFAULT_MODEL,
+    METHOD_HELP,
+    add_calib_text_options,
+    add_calibration_options,
+    add_eval_options,
+    add_kv_options,
+    add_scheme_options,
+)
+from llmeasyquant.cli_search import add_search_parser, cmd_search
 from llmeasyquant.errors import LLMEasyQuantError
 
 log = logging.getLogger("llmeasyquant")
-
-DEFAULT_MODEL = "smollm2-135m"
-METHOD_HELP = "rtn, gptq, awq, smoothquant, zeroquant, or a recipe such as awq+gptq or smoothquant+gptq (default rtn)"
-
-
-def _add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:
-    p.add_argument("--text", help="evaluation text file (default: WikiText-2 from the hub, else self-generated text)")
-    p.add_argument("--seqlen", type=int, default=512, help="window length in tokens (default 512)")
-    p.add_argument("--max-windows", type=int, default=max_windows,
-                   help=f"evaluate the first N windows (default {max_windows or 'all'})")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="write the result record(s) to this JSON file")
-
-
-def _add_scheme_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="rtn", help=METHOD_HELP)
-    p.add_argument("--bits", type=int, help="weight bits: 2, 3, 4 or 8 (default 8). With none of --bits, "
-                   "--group-size, --asym, --act-bits, --static the method's own scheme is used: rtn w8a16, gptq "
-                   "w4a16-g128, awq w4a16-g128-asym, smoothquant w8a8, zeroquant w4a8-g64")
-    p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
-    p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
-    p.add_argument("--act-bits", type=int, choices=(8, 16),
-                   help="8: dynamic per-token int8 activations (W8A8 on integer kernels); 16: float activations")
-    p.add_argument("--static", action="store_true",
-                   help="with --act-bits 8: one static per-tensor activation scale per layer, from calibration data")
-    p.add_argument("--plan", type=Path, help="a plan JSON (per-layer schemes) instead of --bits/--group-size/--asym")
-    p.add_argument("--keep-fp32", action="store_true",
-                   help="store unquantized tensors (embeddings, norms, biases) in fp32 instead of fp16")
-    _add_calibration_options(p)
-
-
-def _add_calib_text_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--calib", help="calibration text for methods that need it: a file, 'wikitext2' (hub "
-                   "validation split) or 'self' (text the model generates)")
-    p.add_argument("--calib-samples", type=int, default=64, help="calibration samples (default 64)")
-    p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sample (default 512)")
-
-
-def _add_kv_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-bits", type=int, help="quantize the KV cache (SimQuant): 2, 3, 4 or 8 bits for keys and "
-                   "values; key ranges from --calib text, or tracked online without it")
-    p.add_argument("--kv-outliers", type=float, default=0.01,
-                   help="share of each head vector kept apart in fp16 (default 0.01)")
-    p.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept in full precision (default 4)")
-    p.add_argument("--kv-key-channels", type=int, default=0,
-                   help="per head, the most sensitive key channels (calibrated) kept in fp16 (default 0)")
-    p.add_argument("--kv-levels", choices=("uniform", "nf"), default="uniform",
-                   help="uniform levels, or NF-style levels at normal quantiles (default uniform)")
-
-
-def _add_calibration_options(p: argparse.ArgumentParser) -> None:
-    _add_calib_text_options(p)
-    _add_kv_options(p)
-    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPTQ: quantize columns by decreasing Hessian diagonal (default: on)")
-    p.add_argument("--alpha", type=_alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search it "
-                   "per block on the block's output error (default 0.5)")
-    p.add_argument("--lkd", action=argparse.BooleanOptionalAction, default=None,
-                   help="ZeroQuant: layer-by-layer distillation (default: on)")
-    p.add_argument("--lkd-steps", type=int, help="ZeroQuant: Adam steps per block (default 50)")
-    p.add_argument("--lkd-lr", type=float, help="ZeroQuant: learning rate (default 5e-5)")
-    p.add_argument("--lkd-samples", type=int, help="ZeroQuant: calibration samples to distil on (default: all)")
-    p.add_argument("--lkd-inputs", choices=("float", "quantized"),
-                   help="ZeroQuant: distil on the unquantized model's activations (default, the paper) or the "
-                   "quantized model's")
-
-
-def _alpha(text: str) -> float | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="quantize a model and save the checkpoint")
     q.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
-    _add_scheme_options(q)
+    add_scheme_options(q)
     q.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
     q.add_argument("--force", action="store_true", help="replace --out if it exists")
     q.add_argument("--stream", action="store_true", help="for a Hugging Face folder: read each block's weights only "
@@ -116,11 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="perplexity (and KL / top-1 against the unquantized model) of a checkpoint")
     e.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="checkpoint folder or model spec")
-    _add_eval_options(e, None)
+    add_eval_options(e, None)
     e.add_argument("--reference", help="unquantized model for KL / top-1 (default: the checkpoint's source model)")
     e.add_argument("--no-reference", action="store_true", help="perplexity only")
-    _add_kv_options(e)
-    _add_calib_text_options(e)
+    add_kv_options(e)
+    add_calib_text_options(e)
     e.add_argument("--no-kv-cache", action="store_true",
                    help="evaluate a checkpoint with an unquantized KV cache even when it carries a quantized one")
 
@@ -130,41 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated schemes such as w8a16,w8a8,w4a16-g64,w4a16-g128-asym")
     c.add_argument("--method", default="rtn", help=METHOD_HELP)
     c.add_argument("--keep-fp32", action="store_true", help="store unquantized tensors in fp32")
-    _add_calibration_options(c)
+    add_calibration_options(c)
     c.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")
-    _add_eval_options(c, 40)
-    _add_search_parser(sub)
+    add_eval_options(c, 40)
+    add_search_parser(sub)
     return parser
-
-
-def _add_search_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("search", help="per-layer mixed precision under a size budget; writes a plan JSON")
-    s.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
-    budget = s.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--avg-bits", type=float, help="average stored bits per quantized weight, scales included")
-    budget.add_argument("--max-mb", type=float, help="MB (2^20 bytes) of stored tensors: quantized layers plus the "
-                        "float tensors (embeddings, norms) in fp16")
-    s.add_argument("--candidates", default="2,3,4,8", help="bit widths to choose from (default 2,3,4,8)")
-    s.add_argument("--group-size", type=int, default=128, help="weights per scale, every candidate (default 128)")
-    s.add_argument("--per-channel", action="store_true", help="one scale per output channel instead of groups")
-    s.add_argument("--sym", action="store_true", help="symmetric weights (default asymmetric, zero points)")
-    s.add_argument("--method", choices=("gptq", "rtn"), default="gptq",
-                   help="the quantizer the plan is for; it makes each candidate's weights (default gptq)")
-    s.add_argument("--sensitivity", choices=("kl", "output", "hessian", "entropy"), default="kl",
-                   help="kl: measured KL with one layer quantized; output: the layer's output error; hessian: "
-                   "Hessian trace x weight error (HAWQ-v2); entropy: data-free (default kl)")
-    s.add_argument("--solver", choices=("exact", "greedy"), default="exact",
-                   help="exact: dynamic programming (optimal); greedy: the paper's coordinate descent")
-    s.add_argument("--lam", type=float, default=0.0, help="λ of loss + λ·bits: > 0 trades quality for size")
-    s.add_argument("--probe-samples", type=int, default=2, help="calibration samples for KL / Hessian (default 2)")
-    s.add_argument("--probe-tokens", type=int, default=256, help="their length in tokens (default 256)")
-    _add_calib_text_options(s)
-    s.add_argument("--out", type=Path, required=True, help="plan JSON to write")
-    s.add_argument("--force", action="store_true", help="replace --out (and --plot) if it exists")
-    s.add_argument("--plot", type=Path, help="PNG of the bits chosen per layer (needs matplotlib: [report])")
-    s.add_argument("--verify", action="store_true",
-                   help="quantize with the plan and evaluate it: measured size and quality beside the predicted")
-    _add_eval_options(s, 40)
 
 
 def _scheme_or_plan(args: argparse.Namespace, recipe: list):
@@ -332,69 +238,6 @@ def cmd_compare(args: argparse.Namespace) -> None:
     print(format_table([r["metrics"] for r in records]))
     if args.json:
         write_json(args.json, records)
-
-
-def cmd_search(args: argparse.Namespace) -> None:
-    from llmeasyquant import load_model
-    from llmeasyquant.eval.report import record, write_json
-    from llmeasyquant.export.checkpoint import check_output
-    from llmeasyquant.search import Budget, MixedPrecisionSearch
-    from llmeasyquant.search.verify import verify_plan
-
-    search = MixedPrecisionSearch(
-        candidates=_int_list(args.candidates, "--candidates"), group_size=None if args.per_channel else
-        args.group_size, symmetric=args.sym, method=args.method, sensitivity=args.sensitivity, solver=args.solver,
-        lam=args.lam, probe_samples=args.probe_samples, probe_tokens=args.probe_tokens)
-    budget = Budget(avg_bits=args.avg_bits, max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20))
-    for path in (args.out, args.plot):
-        if path is not None:
-            check_output(path, args.force)
-    if search.needs_calibration and not args.calib:
-        raise LLMEasyQuantError(f"the {args.sensitivity} sensitivity with {args.method} needs calibration text: pass "
-                                "--calib PATH, --calib wikitext2 or --calib self")
-    model, tokenizer = load_model(args.model)
-    calib = None
-    if args.calib:
-        from llmeasyquant.calibration.data import calibration_ids, read_text_file
-
-        calib, source = calibration_ids(args.calib, model, tokenizer, args.calib_samples, args.calib_seqlen,
-                                        args.seed)
-        if args.verify and args.text and read_text_file(args.text).sha256 == source.sha256:
-            raise LLMEasyQuantError("--calib and --text are the same text; calibrate on another split (e.g. "
-                                    "WikiText-2 validation) than the one --verify evaluates on")
-    result = search.run(model, calib, budget, progress=not args.quiet)
-    p = result.predicted
-    print(f"plan for {budget.label()}: {p['avg_bits']:.3f} bits per quantized weight, {p['tensor_bytes'] / 2**20:.2f}"
-          f" MB of tensors, predicted {args.sensitivity} loss {p['loss']:.4g}"
-          f"{'' if p['optimal'] else ' (not proven optimal)'}; searched in {result.search_s:.1f} s")
-    print("weights per bit width: " + ", ".join(f"{b}-bit {100 * n / sum(result.bits_histogram().values()):.1f}%"
-                                                for b, n in result.bits_histogram().items()))
-    if args.verify:
-        verify_plan(result, model, tokenizer, calib, args.text, args.seqlen, args.max_windows, args.seed,
-                    progress=not args.quiet)
-        m = result.measured
-        print(f"measured: {m['bits_per_weight']:.3f} bits per weight, {m['tensor_bytes'] / 2**20:.2f} MB of tensors, "
-              f"ppl {m['ppl']:.3f} (fp32 {m['ppl_reference']:.3f}), KL {m['kld']:.5f}")
-    result.save(args.out, force=args.force)
-    print(f"wrote {args.out}; apply it with: llmeasyquant quantize {args.model} --method {args.method} "
-          f"--plan {args.out} --calib ... --out DIR")
-    if args.plot:
-        from llmeasyquant.eval.plots import plot_bits_per_layer
-
-        plot_bits_per_layer(result, args.plot)
-    if args.json:
-        protocol = {"calib": args.calib, "calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen,
-                    "seed": args.seed, "search": result.to_dict()["search"]["config"]}
-        write_json(args.json, record("search", args.model, {"search_s": result.search_s, **p,
-                                                             **{f"measured_{k}": v for k, v in
-                                                                result.measured.items()}}, protocol))
-
-
-def _int_list(text: str, option: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise LLMEasyQuantError(f"{option} takes comma-separated integers such as 2,3,4,8; got {text!r}") from None
 
 
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "compare": cmd_compare, "search": cmd_search}

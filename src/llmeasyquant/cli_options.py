@@ -1,0 +1,80 @@
+"""Options that several `llmeasyquant` subcommands share: evaluation, scheme, calibration and KV cache."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+METHOD_HELP = "rtn, gptq, awq, smoothquant, zeroquant, or a recipe such as awq+gptq or smoothquant+gptq (default rtn)"
+
+
+def add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:
+    p.add_argument("--text", help="evaluation text file (default: WikiText-2 from the hub, else self-generated text)")
+    p.add_argument("--seqlen", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--max-windows", type=int, default=max_windows,
+                   help=f"evaluate the first N windows (default {max_windows or 'all'})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the result record(s) to this JSON file")
+
+
+def add_scheme_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="rtn", help=METHOD_HELP)
+    p.add_argument("--bits", type=int, help="weight bits: 2, 3, 4 or 8 (default 8). With none of --bits, "
+                   "--group-size, --asym, --act-bits, --static the method's own scheme is used: rtn w8a16, gptq "
+                   "w4a16-g128, awq w4a16-g128-asym, smoothquant w8a8, zeroquant w4a8-g64")
+    p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
+    p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
+    p.add_argument("--act-bits", type=int, choices=(8, 16),
+                   help="8: dynamic per-token int8 activations (W8A8 on integer kernels); 16: float activations")
+    p.add_argument("--static", action="store_true",
+                   help="with --act-bits 8: one static per-tensor activation scale per layer, from calibration data")
+    p.add_argument("--plan", type=Path, help="a plan JSON (per-layer schemes) instead of --bits/--group-size/--asym")
+    p.add_argument("--keep-fp32", action="store_true",
+                   help="store unquantized tensors (embeddings, norms, biases) in fp32 instead of fp16")
+    add_calibration_options(p)
+
+
+def add_calib_text_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calib", help="calibration text for methods that need it: a file, 'wikitext2' (hub "
+                   "validation split) or 'self' (text the model generates)")
+    p.add_argument("--calib-samples", type=int, default=64, help="calibration samples (default 64)")
+    p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sample (default 512)")
+
+
+def add_kv_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-bits", type=int, help="quantize the KV cache (SimQuant): 2, 3, 4 or 8 bits for keys and "
+                   "values; key ranges from --calib text, or tracked online without it")
+    p.add_argument("--kv-outliers", type=float, default=0.01,
+                   help="share of each head vector kept apart in fp16 (default 0.01)")
+    p.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept in full precision (default 4)")
+    p.add_argument("--kv-key-channels", type=int, default=0,
+                   help="per head, the most sensitive key channels (calibrated) kept in fp16 (default 0)")
+    p.add_argument("--kv-levels", choices=("uniform", "nf"), default="uniform",
+                   help="uniform levels, or NF-style levels at normal quantiles (default uniform)")
+
+
+def add_calibration_options(p: argparse.ArgumentParser) -> None:
+    add_calib_text_options(p)
+    add_kv_options(p)
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: quantize columns by decreasing Hessian diagonal (default: on)")
+    p.add_argument("--alpha", type=_alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search it "
+                   "per block on the block's output error (default 0.5)")
+    p.add_argument("--lkd", action=argparse.BooleanOptionalAction, default=None,
+                   help="ZeroQuant: layer-by-layer distillation (default: on)")
+    p.add_argument("--lkd-steps", type=int, help="ZeroQuant: Adam steps per block (default 50)")
+    p.add_argument("--lkd-lr", type=float, help="ZeroQuant: learning rate (default 5e-5)")
+    p.add_argument("--lkd-samples", type=int, help="ZeroQuant: calibration samples to distil on (default: all)")
+    p.add_argument("--lkd-inputs", choices=("float", "quantized"),
+                   help="ZeroQuant: distil on the unquantized model's activations (default, the paper) or the "
+                   "quantized model's")
+
+
+def _alpha(text: str) -> float | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
