@@ -69,7 +69,9 @@ def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(cols)
     w, h = w[:, perm], h[perm][:, perm]
     h += torch.eye(cols) * damp * torch.mean(torch.diag(h))
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    # The inverse's Cholesky factor in fp64, then fp32: LAPACK's result depends on the thread count in the last
+    # bits, and GPTQ's error feedback would carry such bits into other codes (one process against distributed ranks).
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h.double())), upper=True).float()
     codes = torch.zeros(rows, cols)
     scales = torch.zeros(rows, -(-cols // width))
     zeros = None if scheme.symmetric else torch.zeros_like(scales, dtype=torch.int32)

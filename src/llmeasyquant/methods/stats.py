@@ -20,7 +20,7 @@ STATS = frozenset({"hessian", "range"})
 
 @dataclass
 class InputStats:
-    hessian: dict[str, torch.Tensor]  # H = 2/n · Σ x xᵀ [in, in] over every calibration token
+    hessian: dict[str, torch.Tensor]  # H = 2/n · Σ x xᵀ [in, in] fp32 (summed in fp64) over every calibration token
     lo: dict[str, torch.Tensor]  # min x per input channel [in]
     hi: dict[str, torch.Tensor]  # max x per input channel [in]
     kinds: frozenset[str] = STATS  # which of the two were collected
@@ -88,7 +88,9 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
             seen_this_pass.append((x, name))
             flat = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
             if "hessian" in want:
-                sums[name] = sums.get(name, 0) + flat.t() @ flat
+                # Each batch's product in fp32, the running sum in fp64: the sum's order (batch by batch here,
+                # partial sums across ranks under torch.distributed) then changes no fp32 entry of H in practice.
+                sums[name] = sums.get(name, 0) + (flat.t() @ flat).double()
             if "range" in want:
                 low, high = flat.amin(dim=0), flat.amax(dim=0)
                 lo[name] = torch.minimum(lo[name], low) if name in lo else low
@@ -119,7 +121,7 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
             sums[name] = distributed.all_reduce(sums[name])
         if name in lo:
             lo[name], hi[name] = distributed.all_reduce(lo[name], "min"), distributed.all_reduce(hi[name], "max")
-    hessian = {name: 2 * sums[name] / counts[name] for name in sums}
+    hessian = {name: (2 * sums[name] / counts[name]).float() for name in sums}
     for name, owner in alias.items():
         if owner in hessian:
             hessian[name] = hessian[owner]
