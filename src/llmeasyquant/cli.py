@@ -21,8 +21,8 @@ from llmeasyquant.cli_options import (
     add_kv_options,
     add_scheme_options,
 )
-from llmeasyquant.cli_search import add_search_parser, cmd_search
 from llmeasyquant.errors import LLMEasyQuantError
+from llmeasyquant.search_cli import add_search_parser, cmd_search
 
 log = logging.getLogger("llmeasyquant")
 
