@@ -81,8 +81,9 @@ def cmd_search(args: argparse.Namespace) -> None:
         print(f"measured: {m['bits_per_weight']:.3f} bits per weight, {m['tensor_bytes'] / 2**20:.2f} MB of tensors, "
               f"ppl {m['ppl']:.3f} (fp32 {m['ppl_reference']:.3f}), KL {m['kld']:.5f}")
     result.save(args.out, force=args.force)
+    calib = " --calib PATH" if args.method == "gptq" else ""
     print(f"wrote {args.out}; apply it with: llmeasyquant quantize {args.model} --method {args.method} "
-          f"--plan {args.out} --calib ... --out DIR")
+          f"--plan {args.out}{calib} --out DIR")
     if args.plot:
         from llmeasyquant.eval.plots import plot_bits_per_layer
 
