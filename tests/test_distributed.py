@@ -116,6 +116,14 @@ def test_cli_under_torchrun(llama_folder: Path, wiki_text: Path, tmp_path: Path)
     assert result.stdout.count("saved ") == 1  # rank 0 alone reports (and writes)
     model, _ = lq.load(out)
     assert len(quantized_layers(model)) == 14
+    evaluation = ["eval", str(out), "--text", str(wiki_text), "--seqlen", "32", "--max-windows", "5"]
+    shared = subprocess.run([*command[:6], "-m", "llmeasyquant.cli", "--quiet", *evaluation], capture_output=True,
+                            text=True, env=env, timeout=300)
+    alone = subprocess.run([sys.executable, "-m", "llmeasyquant.cli", "--quiet", *evaluation], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert shared.returncode == 0 and alone.returncode == 0, shared.stderr[-2000:] + alone.stderr[-2000:]
+    assert shared.stdout.startswith("ppl ") and shared.stdout.count("\n") == 1  # printed once, by rank 0
+    assert shared.stdout == alone.stdout  # the same figures as one process
     code = subprocess.run([sys.executable, "-m", "llmeasyquant.cli", "--distributed", "compare"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert code.returncode == 2 and "does not run distributed" in code.stderr
