@@ -8,7 +8,6 @@ count `bits_per_weight` reports for the quantized model, so a plan within the bu
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -178,11 +177,6 @@ class SearchResult:
         for layer in self.layers:
             counts[layer.bits] = counts.get(layer.bits, 0) + layer.weights
         return dict(sorted(counts.items()))
-
-
-def load_search(path: str | Path) -> dict:
-    """The `search` section of a plan file the search wrote (empty for a hand-written plan)."""
-    return json.loads(Path(path).read_text()).get("search", {})
 
 
 def _searched_layers(model: nn.Module) -> list[str]:
