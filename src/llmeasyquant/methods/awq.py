@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from llmeasyquant import distributed
 from llmeasyquant.methods.base import BlockContext, block_input_stats
 from llmeasyquant.methods.smoothquant import fold_scales, foldable
 from llmeasyquant.models.arch import linear_weight
@@ -42,19 +43,37 @@ class AWQ:
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         stats = block_input_stats(block, ctx, self.input_stats)
         ctx.input_stats = None  # clipping changes what later linears of the block read: not followed exactly
-        for src, all_targets in ctx.arch.smoothing:
-            targets = [t for t in all_targets if t in ctx.plan]
-            if len(targets) != len(all_targets) or not foldable(block, src, targets):
-                continue
-            weights = {t: linear_weight(block.get_submodule(t)).detach().float() for t in targets}
-            scales = search_scales(weights, stats.hessian[targets[0]], {t: ctx.plan[t] for t in targets}, self.grid)
+        groups = [(src, list(targets)) for src, targets in ctx.arch.smoothing
+                  if all(t in ctx.plan for t in targets) and foldable(block, src, list(targets))]
+        # Under torch.distributed each search runs on one rank (balanced by cost) and its result is broadcast; in
+        # one process rank 0 owns them all. A group's search reads only its targets' weights and inputs, which
+        # no other group's folding touches, so the searches can all run before any scale is folded.
+        owners = distributed.assign([_cost(block, targets) for _, targets in groups], distributed.world())
+        found = {i: search_scales({t: linear_weight(block.get_submodule(t)).detach().float() for t in targets},
+                                  stats.hessian[targets[0]], {t: ctx.plan[t] for t in targets}, self.grid)
+                 for i, ((_, targets), owner) in enumerate(zip(groups, owners, strict=True))
+                 if owner == distributed.rank()}
+        for i, ((src, targets), owner) in enumerate(zip(groups, owners, strict=True)):
+            scales = found.get(i, torch.empty(stats.hessian[targets[0]].shape[0]))
+            distributed.broadcast_(scales, owner)
             fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
             stats = stats.divided(targets, scales)  # the targets now read x / s
         if self.clip:
-            for name, scheme in ctx.plan.items():
-                weight = linear_weight(block.get_submodule(name))
-                weight.copy_(search_clip(weight.detach().float(), stats.hessian[name], scheme, self.clip_grid,
-                                         self.min_clip).to(weight.dtype))
+            names = list(ctx.plan)
+            owners = distributed.assign([_cost(block, [n]) for n in names], distributed.world())
+            for name, owner in zip(names, owners, strict=True):
+                if owner == distributed.rank():
+                    weight = linear_weight(block.get_submodule(name))
+                    weight.copy_(search_clip(weight.detach().float(), stats.hessian[name], ctx.plan[name],
+                                             self.clip_grid, self.min_clip).to(weight.dtype))
+            for name, owner in zip(names, owners, strict=True):
+                distributed.broadcast_(block.get_submodule(name).weight.data, owner)  # the stored layout
+
+
+def _cost(block: nn.Module, names: list[str]) -> float:
+    """Relative cost of a search over these layers: their weights times their input width."""
+    return float(sum(linear_weight(block.get_submodule(n)).numel() * linear_weight(block.get_submodule(n)).shape[1]
+                     for n in names))
 
 
 def output_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
