@@ -16,8 +16,9 @@ Each returns {layer name: [loss per candidate scheme]}; lower is better, and los
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -130,6 +131,38 @@ def hessian_traces(model: nn.Module, ids: torch.Tensor, names: Sequence[str], pr
     return traces
 
 
+def _kl_with(quantized: torch.Tensor, block: nn.Module, rel: str, module: nn.Module, bias: torch.Tensor | None,
+             start: int, hidden: list[torch.Tensor], tail: _Tail, reference: _Reference) -> float:
+    """The model's KL from the float model with layer `rel` of `block` (number `start`) holding `quantized`."""
+    set_module(block, rel, _float_linear(quantized, bias))
+    try:
+        return max(reference.kl(tail.logprobs(start, hidden)), 0.0)
+    finally:
+        set_module(block, rel, module)
+
+
+def _layer_losses(weight: torch.Tensor, h: torch.Tensor | None, schemes: Sequence[QuantScheme], kind: str,
+                  quantizer: str, trace: float | None, kl_of: Callable[[torch.Tensor], float]) -> list[float]:
+    """One layer's loss per candidate (see the module's docstring for each kind)."""
+    row, proxy = [], []
+    for position, scheme in enumerate(schemes):
+        quantized = candidate_weight(weight, h, scheme, quantizer)
+        delta = weight - quantized
+        proxy.append(float(((delta @ h) * delta).sum() if h is not None else delta.pow(2).sum()))
+        if kind == "output":
+            row.append(proxy[-1] / float(((weight @ h) * weight).sum().clamp_min(1e-30)))
+        elif kind == "hessian":
+            row.append(0.5 * trace / weight.numel() * float(delta.pow(2).sum()))
+        elif position == len(schemes) - 1 and position > 0:
+            # The widest candidate's KL is near the noise floor and a full tail pass would cost a quarter of the
+            # search: scale the next one's by the ratio of their output errors (KL is quadratic in small
+            # perturbations, as the squared error is).
+            row.append(row[-1] * proxy[-1] / proxy[-2] if proxy[-2] > 0 else 0.0)
+        else:
+            row.append(kl_of(quantized))
+    return row
+
+
 @torch.no_grad()
 def layer_sensitivities(model: nn.Module, names: Sequence[str], schemes: Sequence[QuantScheme], kind: str,
                         quantizer: str, calib: torch.Tensor | None, probe: torch.Tensor | None,
@@ -154,11 +187,13 @@ def layer_sensitivities(model: nn.Module, names: Sequence[str], schemes: Sequenc
         index, _, rel = name[len(prefix):].partition(".")
         per_block.setdefault(int(index), []).append(rel)
     inputs, kwargs = capture_block_inputs(model, calib) if need_hessian else (None, None)
+    hidden = probe_kwargs = tail = reference = None
     if kind == "kl":
         hidden, probe_kwargs = capture_block_inputs(model, probe)
         tail = _Tail(model, probe_kwargs)
         reference = _Reference(tail.logprobs(0, hidden))
-    elif kind == "hessian":
+    traces: dict[str, float] = {}
+    if kind == "hessian":
         traces = hessian_traces(model, probe, names, hutchinson_probes)
         log.debug("Hessian traces: %s", traces)
         # A negative estimate (an indefinite Hessian away from a minimum, or probe noise) is raised to a floor, so
@@ -179,29 +214,11 @@ def layer_sensitivities(model: nn.Module, names: Sequence[str], schemes: Sequenc
             weight = linear_weight(module).detach().float()
             check_finite(weight, prefix + f"{index}.{rel}")
             bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
-            row, proxy = [], []
-            for position, scheme in enumerate(schemes):
-                quantized = candidate_weight(weight, hessians.get(rel), scheme, quantizer)
-                delta = weight - quantized
-                h = hessians.get(rel)
-                proxy.append(float(((delta @ h) * delta).sum() if h is not None else delta.pow(2).sum()))
-                if kind == "output":
-                    row.append(proxy[-1] / float(((weight @ h) * weight).sum().clamp_min(1e-30)))
-                elif kind == "hessian":
-                    trace = traces[prefix + f"{index}.{rel}"]
-                    row.append(0.5 * trace / weight.numel() * float(delta.pow(2).sum()))
-                elif position == len(schemes) - 1 and position > 0:
-                    # The widest candidate's KL is near the noise floor and a full tail pass would cost a quarter
-                    # of the search: scale the next one's by the ratio of their output errors (KL is quadratic
-                    # in small perturbations, as the squared error is).
-                    row.append(row[-1] * proxy[-1] / proxy[-2] if proxy[-2] > 0 else 0.0)
-                else:
-                    set_module(block, rel, _float_linear(quantized, bias))
-                    try:
-                        row.append(max(reference.kl(tail.logprobs(index, hidden)), 0.0))
-                    finally:
-                        set_module(block, rel, module)
-            losses[prefix + f"{index}.{rel}"] = row
+
+            kl_of = functools.partial(_kl_with, block=block, rel=rel, module=module, bias=bias, start=index,
+                                      hidden=hidden, tail=tail, reference=reference)
+            losses[prefix + f"{index}.{rel}"] = _layer_losses(
+                weight, hessians.get(rel), schemes, kind, quantizer, traces.get(prefix + f"{index}.{rel}"), kl_of)
         if need_hessian:
             inputs = outputs
         if kind == "kl":
