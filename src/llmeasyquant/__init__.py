@@ -13,7 +13,9 @@ from llmeasyquant.errors import (
     ModelLoadError,
     OutputExistsError,
 )
+from llmeasyquant.export.check import check_export
 from llmeasyquant.export.checkpoint import load, save
+from llmeasyquant.export.formats import export
 from llmeasyquant.methods import AWQ, GPTQ, RTN, SmoothQuant, ZeroQuant
 from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.load import load_model
@@ -71,8 +73,10 @@ __all__ = [
     "SmoothQuant",
     "ZeroQuant",
     "__version__",
+    "check_export",
     "compare",
     "evaluate",
+    "export",
     "load",
     "load_model",
     "make_scheme",

@@ -1,4 +1,4 @@
-"""llmeasyquant quantize | eval | compare | search: a thin layer over the Python API."""
+"""llmeasyquant quantize | eval | compare | search | export: a thin layer over the Python API."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from llmeasyquant.cli_options import (
     add_scheme_options,
 )
 from llmeasyquant.errors import LLMEasyQuantError
+from llmeasyquant.export_cli import add_export_parser, cmd_export
 from llmeasyquant.search_cli import add_search_parser, cmd_search
 
 log = logging.getLogger("llmeasyquant")
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")
     add_eval_options(c, 40)
     add_search_parser(sub)
+    add_export_parser(sub)
     return parser
 
 
@@ -240,7 +242,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
         write_json(args.json, records)
 
 
-COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "compare": cmd_compare, "search": cmd_search}
+COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "compare": cmd_compare, "search": cmd_search,
+            "export": cmd_export}
 
 
 DISTRIBUTED_COMMANDS = ("quantize", "eval")

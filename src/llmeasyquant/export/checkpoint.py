@@ -60,7 +60,7 @@ def stored_tensors(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, di
     return tensors, aliases
 
 
-def _usual_permissions(folder: Path) -> None:
+def usual_permissions(folder: Path) -> None:
     """mkdtemp makes a private folder; a saved checkpoint gets the permissions any new folder would get."""
     umask = current_umask()
     folder.chmod(0o777 & ~umask)
@@ -68,7 +68,7 @@ def _usual_permissions(folder: Path) -> None:
         file.chmod(0o666 & ~umask)
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
+def replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished `tmp` to `out`; an old `out` is removed only after the new one is in place."""
     old = None
     if out.exists() or out.is_symlink():
@@ -115,8 +115,8 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
         (tmp / QCONFIG_FILE).write_text(json.dumps(qconfig, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _usual_permissions(tmp)
-        _replace_dir(tmp, out)
+        usual_permissions(tmp)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

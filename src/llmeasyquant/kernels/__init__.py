@@ -6,8 +6,10 @@ one for a single layer. A forced kernel that cannot run the layer is an error, n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from llmeasyquant.errors import ConfigError
@@ -40,3 +42,21 @@ def select(layer) -> Any:
     log.debug("no integer kernel for %s (in=%d) on %s; using the reference kernel",
               layer.scheme.name, layer.in_features, layer.qweight.device.type)
     return REFERENCE
+
+
+@contextlib.contextmanager
+def forced_kernel(model: Any, name: str) -> Iterator[None]:
+    """Run every QuantLinear of `model` on kernel `name` inside the block, then restore each layer's choice."""
+    from llmeasyquant.nn.qlinear import QuantLinear
+
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    before = [layer.kernel_name for layer in layers]
+    try:
+        for layer in layers:
+            layer.kernel_name = name
+            layer.forget_kernel()
+        yield
+    finally:
+        for layer, kernel_name in zip(layers, before, strict=True):
+            layer.kernel_name = kernel_name
+            layer.forget_kernel()

@@ -1,0 +1,95 @@
+"""What every exporter shares: the result record, the check that a runtime is installed, the quantized layers."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from llmeasyquant.errors import ConfigError, LLMEasyQuantError
+from llmeasyquant.export.checkpoint import (
+    check_output,
+    checkpoint_bytes,
+    quantized_layers,
+    replace_dir,
+    usual_permissions,
+)
+from llmeasyquant.nn.qlinear import QuantLinear
+
+# A runtime loaded from an exported file: token ids [seqlen] (int64) -> logits [seqlen, vocab] (float32).
+RuntimeLogits = Callable[[torch.Tensor], torch.Tensor]
+
+
+class MissingRuntimeError(LLMEasyQuantError, ImportError):
+    """An optional package an export or its check needs is not installed."""
+
+
+def require(module: str, install: str) -> ModuleType:
+    """Import an optional package, or fail with the command that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingRuntimeError(f"{module} is not installed; install it with: {install}") from exc
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote: where, in which format, how big, how long it took, and which tensors were kept exact."""
+
+    path: Path
+    format: str
+    seconds: float
+    lossless: list[str] = field(default_factory=list)  # quantized layers written with their codes as they are
+    requantized: list[str] = field(default_factory=list)  # layers the format could not hold exactly
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return checkpoint_bytes(self.path) if self.path.is_dir() else self.path.stat().st_size
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "format": self.format, "bytes": self.bytes, "export_s": self.seconds,
+                "lossless_layers": len(self.lossless), "requantized_layers": self.requantized, "notes": self.notes}
+
+
+def layers_to_export(model: nn.Module) -> dict[str, QuantLinear]:
+    """The model's QuantLinear layers by module name; a model that is not quantized cannot be exported."""
+    layers = quantized_layers(model)
+    if not layers:
+        raise ConfigError("this model has no quantized layers; quantize it (llmeasyquant quantize) before exporting")
+    return layers
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+@contextlib.contextmanager
+def staged_folder(out: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside `out` to write into; it becomes `out` only when the block completes.
+
+    An existing `out` is refused without `force`; on any failure the temporary folder is removed."""
+    out = Path(out).expanduser()
+    check_output(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        usual_permissions(tmp)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
