@@ -131,7 +131,8 @@ def _calibration(args: argparse.Namespace, recipe: list, model: torch.nn.Module,
 def cmd_quantize(args: argparse.Namespace) -> None:
     from llmeasyquant import load_model, quantize
     from llmeasyquant.eval.report import record, write_json
-    from llmeasyquant.export.checkpoint import bits_per_weight, check_output, checkpoint_bytes
+    from llmeasyquant.export.checkpoint import bits_per_weight, checkpoint_bytes
+    from llmeasyquant.fileio import check_output
 
     recipe = _recipe(args)
     plan = _scheme_or_plan(args, recipe)

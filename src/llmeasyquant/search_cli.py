@@ -42,7 +42,7 @@ def add_search_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_search(args: argparse.Namespace) -> None:
     from llmeasyquant import load_model
     from llmeasyquant.eval.report import record, write_json
-    from llmeasyquant.export.checkpoint import check_output
+    from llmeasyquant.fileio import check_output
     from llmeasyquant.search import Budget, MixedPrecisionSearch
     from llmeasyquant.search.verify import verify_plan
 

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from llmeasyquant.errors import CheckpointError, ConfigError, OutputExistsError
-from llmeasyquant.fileio import current_umask
+from llmeasyquant.errors import CheckpointError, ConfigError
+from llmeasyquant.fileio import check_output, staged_folder
 from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
 from llmeasyquant.models.load import no_init_weights
 from llmeasyquant.nn.kv_cache import KeyRanges, KVCacheSpec, KVQuantConfig
@@ -60,33 +57,6 @@ def stored_tensors(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, di
     return tensors, aliases
 
 
-def usual_permissions(folder: Path) -> None:
-    """mkdtemp makes a private folder; a saved checkpoint gets the permissions any new folder would get."""
-    umask = current_umask()
-    folder.chmod(0o777 & ~umask)
-    for file in folder.iterdir():
-        file.chmod(0o666 & ~umask)
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` to `out`; an old `out` is removed only after the new one is in place."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-
-
-def check_output(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise OutputExistsError(f"{out} exists already; choose another path or pass --force to replace it")
-
-
 def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None, force: bool = False) -> Path:
     """Write a quantized model (from `quantize`) as a checkpoint folder; returns its path."""
     info = getattr(model, "llmeasyquant", None)
@@ -95,7 +65,6 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
         raise ConfigError("this model is not quantized; run llmeasyquant.quantize() on it before saving")
     out = Path(out_dir).expanduser()
     check_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
     float_dtype = torch.float16 if info.float_dtype == "float16" else torch.float32
     tensors, aliases = stored_tensors(model, float_dtype)
     qconfig = {
@@ -106,8 +75,7 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
     kv = info.kv_cache
     if kv is not None:
         qconfig["kv_cache"] = {"config": kv.config.to_dict(), "calibrated": kv.key_ranges is not None}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_folder(out, force) as tmp:
         save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "producer": FORMAT})
         if kv is not None and kv.key_ranges is not None:
             save_file(kv.key_ranges.to_tensors(), tmp / KV_FILE, metadata={"format": "pt", "producer": FORMAT})
@@ -115,11 +83,6 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
         (tmp / QCONFIG_FILE).write_text(json.dumps(qconfig, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        usual_permissions(tmp)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("saved %d quantized layers to %s", len(layers), out)
     return out
 

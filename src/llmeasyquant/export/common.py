@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -16,13 +13,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError, LLMEasyQuantError
-from llmeasyquant.export.checkpoint import (
-    check_output,
-    checkpoint_bytes,
-    quantized_layers,
-    replace_dir,
-    usual_permissions,
-)
+from llmeasyquant.export.checkpoint import checkpoint_bytes, quantized_layers
 from llmeasyquant.nn.qlinear import QuantLinear
 
 # A runtime loaded from an exported file: token ids [seqlen] (int64) -> logits [seqlen, vocab] (float32).
@@ -76,20 +67,3 @@ class Stopwatch:
     def seconds(self) -> float:
         return time.perf_counter() - self.start
 
-
-@contextlib.contextmanager
-def staged_folder(out: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside `out` to write into; it becomes `out` only when the block completes.
-
-    An existing `out` is refused without `force`; on any failure the temporary folder is removed."""
-    out = Path(out).expanduser()
-    check_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        usual_permissions(tmp)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -22,8 +22,8 @@ from llmeasyquant.export.common import (
     Stopwatch,
     layers_to_export,
     require,
-    staged_folder,
 )
+from llmeasyquant.fileio import staged_folder
 from llmeasyquant.models.arch import arch_for, get_module
 from llmeasyquant.models.load import no_init_weights
 from llmeasyquant.nn.qlinear import QuantLinear

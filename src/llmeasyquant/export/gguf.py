@@ -20,10 +20,9 @@ from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from llmeasyquant.errors import CheckpointError, ConfigError
-from llmeasyquant.export.checkpoint import check_output
 from llmeasyquant.export.common import ExportResult, RuntimeLogits, Stopwatch, layers_to_export, require
 from llmeasyquant.export.gguf_blocks import Packed, pack_layer
-from llmeasyquant.fileio import write_atomic
+from llmeasyquant.fileio import check_output, write_atomic
 from llmeasyquant.models.arch import arch_for, get_module
 from llmeasyquant.models.load import BUNDLED_NAMES, bundled_gguf
 from llmeasyquant.nn.qlinear import QuantLinear

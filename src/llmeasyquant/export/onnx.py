@@ -23,14 +23,12 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import CheckpointError, ConfigError
-from llmeasyquant.export.checkpoint import check_output
 from llmeasyquant.export.common import (
     ExportResult,
     RuntimeLogits,
     Stopwatch,
     layers_to_export,
     require,
-    staged_folder,
 )
 from llmeasyquant.export.onnx_graph import (
     INSTALL,
@@ -41,6 +39,7 @@ from llmeasyquant.export.onnx_graph import (
     rewrite,
     strip_debug_info,
 )
+from llmeasyquant.fileio import check_output, staged_folder
 from llmeasyquant.kernels import REFERENCE, forced_kernel
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.scheme import PerToken

@@ -20,7 +20,8 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.eval.report import write_json
-from llmeasyquant.export.checkpoint import check_output, stored_tensors
+from llmeasyquant.export.checkpoint import stored_tensors
+from llmeasyquant.fileio import check_output
 from llmeasyquant.models.arch import arch_for, get_module, linear_weight
 from llmeasyquant.nn.qlinear import layer_storage_bytes
 from llmeasyquant.plan import Plan, Rule
