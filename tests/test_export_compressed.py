@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from tests.cli_helpers import assert_one_line_error, run
 from torch import nn
 
 import llmeasyquant as lq
@@ -152,19 +151,3 @@ def test_check_compares_the_runtime_with_our_reference(tiny_llama, tiny_tokenize
     assert check["windows"] == 2 and check["tokens"] == 46
     assert check["max_abs_logit_diff"] < 1e-4
     assert abs(check["ppl_rel_diff_pct"]) < 1e-3
-
-
-def test_cli_export_then_check(capsys, llama_folder: Path, wiki_text: Path, tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    assert run(capsys, "quantize", llama_folder, "--bits", "4", "--group-size", "32", "--out", ckpt)[0] == 0
-    code, out, _ = run(capsys, "export", ckpt, "--to", "compressed-tensors", "--out", tmp_path / "ct", "--text",
-                       wiki_text, "--seqlen", "32", "--max-windows", "2", "--json", tmp_path / "rec.json")
-    assert code == 0, out
-    assert "wrote compressed-tensors" in out and "transformers + compressed-tensors: ppl" in out
-    rec = json.loads((tmp_path / "rec.json").read_text())
-    assert rec["kind"] == "export" and rec["metrics"]["check"]["max_abs_logit_diff"] < 1e-4
-    assert rec["protocol"]["seqlen"] == 32
-    code, _, err = run(capsys, "export", ckpt, "--to", "compressed-tensors", "--out", tmp_path / "ct", "--no-check")
-    assert_one_line_error(code, err, "exists already", "--force")
-    code, _, err = run(capsys, "export", tmp_path / "nothing", "--to", "gguf", "--out", tmp_path / "x.gguf")
-    assert_one_line_error(code, err, "no checkpoint folder")
