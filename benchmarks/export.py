@@ -7,6 +7,9 @@ validation, for the methods that need it), saves the checkpoint, exports it, loa
 evaluates the same windows (WikiText-2 raw test, 512-token windows, no BOS, the first --max-windows) there and
 with our reference kernel (the fp32 arithmetic every export follows). A runtime that is not installed is
 recorded as skipped. llama.cpp comes from `pip install llama-cpp-python` (it compiles llama.cpp; not in CI).
+
+The baseline row runs the bundled GGUF file itself in llama.cpp against the unquantized model in PyTorch (the same
+weights): the gap llama.cpp's own arithmetic makes before any export is involved.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from llmeasyquant.export.check import check_export
 from llmeasyquant.export.checkpoint import checkpoint_bytes
 from llmeasyquant.export.formats import export
 from llmeasyquant.methods import recipe_by_name
+from llmeasyquant.models.load import bundled_gguf
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 RUNS = (  # (recipe, scheme, options, formats the checkpoint is exported to)
@@ -58,7 +62,10 @@ def main() -> int:
     windows.protocol.update(threads=torch.get_num_threads(), seed=0)
     calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), base, tokenizer, args.calib_samples, 512)
     indexes = [int(i) for i in args.runs.split(",")] if args.runs else range(len(RUNS))
-    rows = []
+    baseline = {"format": "gguf", "method": "none (bundled Q4_1 file)", "scheme": "float",
+                "export_mb": bundled_gguf().stat().st_size / 1e6} | check_export(bundled_gguf(), "gguf", base, windows)
+    rows = [baseline]
+    print(markdown_table(rows, COLUMNS), flush=True)
     with tempfile.TemporaryDirectory(prefix="export-bench-") as work:
         for index in indexes:
             recipe_name, scheme_name, options, formats = RUNS[index]
