@@ -136,3 +136,12 @@ def wiki_text_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("text") / "wiki.txt"
     path.write_bytes(_wikitext_snippet())
     return path
+
+
+@pytest.fixture
+def calib_text(wiki_text: Path, tmp_path: Path) -> Path:
+    """Calibration text that is not the evaluation text: the second half of the snippet."""
+    path = tmp_path / "calib.txt"
+    text = wiki_text.read_text()
+    path.write_text(text[len(text) // 2:])
+    return path

@@ -174,13 +174,6 @@ def test_compare_keeps_checkpoints_in_workdir(capsys, llama_folder: Path, wiki_t
 # KV cache ----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def calib_text(wiki_text: Path, tmp_path: Path) -> Path:
-    """Calibration text that is not the evaluation text: the second half of the snippet."""
-    path = tmp_path / "calib.txt"
-    text = wiki_text.read_text()
-    path.write_text(text[len(text) // 2:])
-    return path
 
 
 KV_CALIB = ["--calib-samples", "4", "--calib-seqlen", "32"]

@@ -1,4 +1,4 @@
-"""llmeasyquant quantize | eval | compare | search | export: a thin layer over the Python API."""
+"""llmeasyquant quantize | eval | compare | search | export | report: a thin layer over the Python API."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from llmeasyquant.cli_options import (
     DEFAULT_MODEL,
+    DEFAULT_SCHEMES,
     METHOD_HELP,
     add_calib_text_options,
     add_calibration_options,
@@ -23,6 +24,7 @@ from llmeasyquant.cli_options import (
 )
 from llmeasyquant.errors import LLMEasyQuantError
 from llmeasyquant.export_cli import add_export_parser, cmd_export
+from llmeasyquant.report_cli import add_report_parser, cmd_report
 from llmeasyquant.search_cli import add_search_parser, cmd_search
 
 log = logging.getLogger("llmeasyquant")
@@ -61,17 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-kv-cache", action="store_true",
                    help="evaluate a checkpoint with an unquantized KV cache even when it carries a quantized one")
 
-    c = sub.add_parser("compare", help="quantize with several schemes and print one comparison table")
+    c = sub.add_parser("compare", help="quantize with several schemes or methods and print one comparison table")
     c.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
-    c.add_argument("--schemes", default="w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym",
-                   help="comma-separated schemes such as w8a16,w8a8,w4a16-g64,w4a16-g128-asym")
+    c.add_argument("--schemes", help=f"comma-separated schemes (default {DEFAULT_SCHEMES}); with --methods at most "
+                   "one, applied to every method (default: each method's own)")
     c.add_argument("--method", default="rtn", help=METHOD_HELP)
+    c.add_argument("--methods", help="comma-separated methods compared side by side, each under its own scheme, "
+                   "e.g. rtn,smoothquant,awq,gptq,zeroquant (replaces --method)")
+    c.add_argument("--details", action="store_true", help="also measure speed, latency breakdown, block errors, "
+                   "weight distributions and context-length scaling for the report's figures")
+    c.add_argument("--report", type=Path, help="write a self-contained HTML report with the figures (implies "
+                   "--details)")
+    c.add_argument("--force", action="store_true", help="replace --report if it exists")
     c.add_argument("--keep-fp32", action="store_true", help="store unquantized tensors in fp32")
     add_calibration_options(c)
     c.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary folder)")
     add_eval_options(c, 40)
     add_search_parser(sub)
     add_export_parser(sub)
+    add_report_parser(sub)
     return parser
 
 
@@ -102,14 +112,17 @@ def _simquant(args: argparse.Namespace):
     return SimQuant(config)
 
 
+def _method_options(args: argparse.Namespace) -> dict:
+    given = {"act_order": args.act_order, "alpha": args.alpha, "lkd": args.lkd, "steps": args.lkd_steps,
+             "lr": args.lkd_lr, "samples": args.lkd_samples, "lkd_inputs": args.lkd_inputs}
+    return {key: value for key, value in given.items() if value is not None}
+
+
 def _recipe(args: argparse.Namespace) -> list:
     """The recipe `--method` names (`rtn`, `gptq`, `smoothquant`, `smoothquant+gptq`) with its options."""
     from llmeasyquant.methods import recipe_by_name
 
-    given = {"act_order": args.act_order, "alpha": args.alpha, "lkd": args.lkd, "steps": args.lkd_steps,
-             "lr": args.lkd_lr, "samples": args.lkd_samples, "lkd_inputs": args.lkd_inputs}
-    options = {key: value for key, value in given.items() if value is not None}
-    recipe = recipe_by_name(args.method, **options)
+    recipe = recipe_by_name(args.method, **_method_options(args))
     if (any(m.needs_calibration for m in recipe) or getattr(args, "static", False)) and not args.calib:
         what = "static activation scales" if getattr(args, "static", False) else args.method
         raise LLMEasyQuantError(f"{what} needs calibration text: pass --calib PATH, --calib wikitext2 "
@@ -223,28 +236,61 @@ def _eval_kv_cache(args: argparse.Namespace, model: torch.nn.Module, tokenizer: 
     return info.kv_cache
 
 
-def cmd_compare(args: argparse.Namespace) -> None:
-    from llmeasyquant import compare, parse_scheme
-    from llmeasyquant.eval.report import format_table, write_json
+def _compared_rows(args: argparse.Namespace) -> tuple[list, list | None]:
+    """(schemes, methods or None) from --schemes / --methods, checked before the model is loaded."""
+    from llmeasyquant import parse_scheme
+    from llmeasyquant.methods import recipe_by_name
 
-    schemes = [parse_scheme(s) for s in args.schemes.split(",") if s.strip()]
-    if not schemes:
-        raise LLMEasyQuantError("--schemes is empty; name at least one scheme, e.g. w8a16")
-    recipe = _recipe(args)  # an unknown method fails now, not after loading the model
+    schemes = [parse_scheme(s) for s in (args.schemes or ("" if args.methods else DEFAULT_SCHEMES)).split(",")
+               if s.strip()]
+    if not args.methods:
+        if not schemes:
+            raise LLMEasyQuantError("--schemes is empty; name at least one scheme, e.g. w8a16")
+        return schemes, None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise LLMEasyQuantError("--methods is empty; name at least one, e.g. rtn,gptq")
+    if len(schemes) > 1:
+        raise LLMEasyQuantError("with --methods give at most one scheme in --schemes (or none: each method's own)")
+    recipes = [recipe_by_name(m, strict=False, **_method_options(args)) for m in methods]
+    needing = [m for m, recipe in zip(methods, recipes, strict=True) if any(r.needs_calibration for r in recipe)]
+    if needing and not args.calib:
+        raise LLMEasyQuantError(f"{', '.join(needing)} need calibration text: pass --calib PATH, --calib wikitext2 "
+                                "or --calib self")
+    return schemes, methods
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from llmeasyquant import compare
+    from llmeasyquant.eval.report import COMPARE_COLUMNS, format_table, write_json
+    from llmeasyquant.fileio import check_output
+
+    schemes, methods = _compared_rows(args)
+    recipe = _recipe(args) if methods is None else args.method  # an unknown method fails now, not after loading
+    if args.report is not None:
+        check_output(args.report, args.force)
     records = compare(args.model, schemes, recipe, args.text, args.seqlen, args.max_windows, args.keep_fp32,
                       args.workdir, args.seed, progress=not args.quiet, calib=args.calib,
-                      calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, kv=_simquant(args))
+                      calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, kv=_simquant(args),
+                      methods=methods, method_options=_method_options(args),
+                      details=args.details or args.report is not None)
     p = records[0]["protocol"]
     kv = f", KV cache {records[-1]['metrics']['kv_cache']}" if "kv_cache" in records[-1]["metrics"] else ""
-    print(f"\n{args.model}, method {args.method}{kv}: {p['windows']} windows of {p['seqlen']} tokens from "
+    what = f"methods {', '.join(methods)}" if methods else f"method {args.method}"
+    print(f"\n{args.model}, {what}{kv}: {p['windows']} windows of {p['seqlen']} tokens from "
           f"{p['text_source']} (sha256 {p['text_sha256'][:12]}…), no BOS, {p['threads']} threads\n")
-    print(format_table([r["metrics"] for r in records]))
+    columns = ((("method", "method", ""),) if methods else ()) + COMPARE_COLUMNS
+    print(format_table([r["metrics"] for r in records], columns))
     if args.json:
         write_json(args.json, records)
+    if args.report is not None:
+        from llmeasyquant.eval.html_report import write_report_html
+
+        print(f"wrote {write_report_html(records, args.report, force=args.force)}")
 
 
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "compare": cmd_compare, "search": cmd_search,
-            "export": cmd_export}
+            "export": cmd_export, "report": cmd_report}
 
 
 DISTRIBUTED_COMMANDS = ("quantize", "eval")

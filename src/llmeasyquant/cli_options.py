@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_SCHEMES = "w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym"  # compare's rows without --methods
 METHOD_HELP = "rtn, gptq, awq, smoothquant, zeroquant, or a recipe such as awq+gptq or smoothquant+gptq (default rtn)"
 
 

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
-from llmeasyquant.api import quantize
+from llmeasyquant.api import default_scheme, quantize
 from llmeasyquant.calibration.data import calibration_ids, resolve_text
 from llmeasyquant.errors import ConfigError, DataError
+from llmeasyquant.eval.details import details_protocol, measure_details
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
 from llmeasyquant.eval.report import record
 from llmeasyquant.export.checkpoint import bits_per_weight, checkpoint_bytes, load, quantized_layers, save
@@ -79,31 +81,64 @@ def evaluate(model: nn.Module, tokenizer: object, text: str | None = None, seqle
     return record("eval", name, result, windows.protocol)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    name: str  # the row's label: the scheme (one recipe, several schemes) or the method (several methods)
+    method: str
+    recipe: list
+    scheme: QuantScheme
+
+
+def _rows(methods: Sequence[str] | None, schemes: Sequence[QuantScheme], recipe: str | Method | Sequence[Method],
+          kv: SimQuant | None, method_options: dict) -> list[_Row]:
+    """One row per method (each under its own scheme unless one scheme is given), else one per scheme."""
+    extra = [kv] if kv is not None else []
+    if methods:
+        if len(schemes) > 1:
+            raise ConfigError("with several methods give at most one scheme (or none: each method's own)")
+        rows = []
+        for name in methods:
+            chosen = recipe_by_name(name, strict=False, **method_options)
+            scheme = schemes[0] if schemes else default_scheme(chosen)
+            rows.append(_Row(f"{name} {scheme.name}", "+".join(m.name for m in chosen), chosen + extra, scheme))
+        return rows
+    chosen = recipe_by_name(recipe) if isinstance(recipe, str) else recipe
+    chosen = list(chosen) if isinstance(chosen, Sequence) else [chosen]
+    method = "+".join(m.name for m in chosen)
+    return [_Row(scheme.name, method, chosen + extra, scheme) for scheme in schemes]
+
+
+def _needs_calibration(row: _Row) -> bool:
+    return any(getattr(m, "needs_calibration", False) for m in row.recipe) or row.scheme.static_act
+
+
 def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (),
             recipe: str | Method | Sequence[Method] = "rtn",
             text: str | None = None, seqlen: int = 512, max_windows: int | None = 40, keep_fp32: bool = False,
             workdir: str | Path | None = None, seed: int = 0, progress: bool = True, calib: str | None = None,
-            calib_samples: int = 64, calib_seqlen: int = 512, kv: SimQuant | None = None) -> list[dict]:
-    """Quantize the model with each scheme, save and reload each checkpoint, and evaluate all of them side by
-    side against the unquantized model on the same windows. Returns one record per row, fp32 first.
+            calib_samples: int = 64, calib_seqlen: int = 512, kv: SimQuant | None = None,
+            methods: Sequence[str] | None = None, method_options: dict | None = None,
+            details: bool = False) -> list[dict]:
+    """Quantize the model once per row, save and reload each checkpoint, and evaluate all of them side by side
+    against the unquantized model on the same windows. Returns one record per row, fp32 first.
 
-    `calib` (a file, 'wikitext2' or 'self') feeds methods that need calibration; it may not be the evaluation text.
-    `kv` adds a quantized KV cache to every quantized row (key ranges from `calib` when given, else online).
+    Rows: `recipe` under each of `schemes`, or, with `methods` (names such as 'gptq' or 'awq+gptq'), one per
+    method under its own scheme (or the one scheme given), each taking the `method_options` it has. `calib` (a
+    file, 'wikitext2' or 'self') feeds methods that need calibration; it may not be the evaluation text. `kv` adds
+    a quantized KV cache to every quantized row. `details` also measures what the report's figures need
+    (docs/compare_record.md): speed and latency breakdown, block errors, a weight histogram, per-layer summaries,
+    perplexity over context length.
     """
-    recipe = recipe_by_name(recipe) if isinstance(recipe, str) else recipe
-    recipe = list(recipe) if isinstance(recipe, Sequence) else [recipe]
-    recipe_name = "+".join(m.name for m in recipe)
-    if kv is not None:
-        recipe.append(kv)
+    rows = _rows(methods, schemes, recipe, kv, method_options or {})
+    if not rows:
+        raise ConfigError("nothing to compare: name at least one scheme or method")
     torch.manual_seed(seed)
     base, tokenizer = load_model(model_spec)
     windows = prepare_windows(base, tokenizer, text, seqlen, max_windows, seed)
     calib_ids, calib_protocol = None, {}
-    needs_calib = any(getattr(m, "needs_calibration", False) for m in recipe) or any(s.static_act for s in schemes)
-    if needs_calib or (kv is not None and calib is not None):
+    if any(_needs_calibration(r) for r in rows) or (kv is not None and calib is not None):
         if calib is None:
-            what = recipe_name if any(getattr(m, "needs_calibration", False) for m in recipe) \
-                else "static activation scales"
+            what = next((r.method for r in rows if _needs_calibration(r)), "the KV cache")
             raise ConfigError(f"{what} needs calibration text: pass calib=PATH, 'wikitext2' or 'self'")
         calib_ids, source = calibration_ids(calib, base, tokenizer, calib_samples, calib_seqlen, seed)
         if source.sha256 == windows.protocol["text_sha256"]:
@@ -112,40 +147,57 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
                           "calib_samples": int(calib_ids.shape[0]), "calib_seqlen": calib_seqlen}
     unit_windows = EvalWindows(windows.ids[:UNIT_WINDOWS], windows.protocol)
     unit_s = evaluate_windows({"fp32": base}, unit_windows, progress=False)["fp32"]["eval_s"]
+    log.info("an evaluation window takes %.1f s: evaluating %d rows on %d windows will take about %.0f s",
+             unit_s / UNIT_WINDOWS, len(rows) + 1, windows.ids.shape[0],
+             unit_s / UNIT_WINDOWS * windows.ids.shape[0] * (len(rows) + 1))
     with tempfile.TemporaryDirectory(prefix="llmeasyquant-compare-") as scratch:
         root = Path(workdir) if workdir is not None else Path(scratch)
         candidates: dict[str, nn.Module] = {}
         extra: dict[str, dict] = {}
-        for scheme in schemes:
-            log.info("quantizing with %s %s", recipe_name, scheme.name)
-            model = quantize(copy.deepcopy(base), recipe, scheme, calib=calib_ids, keep_fp32=keep_fp32,
-                             progress=progress)
-            folder = save(model, root / scheme.name, tokenizer, force=True)
+        for index, row in enumerate(rows, 1):
+            log.info("[%d/%d] quantizing with %s %s", index, len(rows), row.method, row.scheme.name)
+            calibrated = _needs_calibration(row) or (kv is not None and calib_ids is not None)
+            model = quantize(copy.deepcopy(base), row.recipe, row.scheme, calib=calib_ids if calibrated else None,
+                             keep_fp32=keep_fp32, progress=progress)
+            folder = save(model, root / row.name.replace(" ", "_"), tokenizer, force=True)
             quantize_s = model.llmeasyquant.quantize_s
             del model
             # Evaluate what the checkpoint holds, not what was left in memory.
-            candidates[scheme.name], _ = load(folder)
-            extra[scheme.name] = {
-                "scheme": scheme.name, "quantize_s": quantize_s, "quantize_units": quantize_s / unit_s,
-                "checkpoint_bytes": checkpoint_bytes(folder),
-                "bits_per_weight": bits_per_weight(candidates[scheme.name]),
-                "weight_bytes_ratio": quantized_weight_ratio(candidates[scheme.name])}
+            candidates[row.name], _ = load(folder)
+            extra[row.name] = {
+                "method": row.method, "scheme": row.scheme.name, "quantize_s": quantize_s,
+                "quantize_units": quantize_s / unit_s, "checkpoint_bytes": checkpoint_bytes(folder),
+                "bits_per_weight": bits_per_weight(candidates[row.name]),
+                "weight_bytes_ratio": quantized_weight_ratio(candidates[row.name]),
+                "calib_samples": int(calib_ids.shape[0]) if _needs_calibration(row) else 0}
         caches = {name: (lambda m=m: m.llmeasyquant.kv_cache.new_cache(m)) for name, m in candidates.items()
                   if m.llmeasyquant.kv_cache is not None}
         metrics = evaluate_windows({"fp32": base, **candidates}, windows, reference="fp32", progress=progress,
                                    caches=caches)
+        extra["fp32"] = {"method": "fp32", "scheme": "fp32", "bits_per_weight": 32.0,
+                         "checkpoint_bytes": float_bytes(base), "quantize_s": 0.0, "calib_samples": 0}
+        if details:
+            for name, model in tqdm({"fp32": base, **candidates}.items(), desc="measuring speed and layers",
+                                    unit="row", disable=not progress):
+                extra[name] |= measure_details(base, model, windows)
+    return _records(model_spec, rows, metrics, extra, windows, unit_s, calib_protocol, kv, details)
+
+
+def _records(model_spec: str, rows: list[_Row], metrics: dict, extra: dict, windows: EvalWindows, unit_s: float,
+             calib_protocol: dict, kv: SimQuant | None, details: bool) -> list[dict]:
     base_ppl = metrics["fp32"]["ppl"]
-    extra["fp32"] = {"scheme": "fp32", "bits_per_weight": 32.0, "checkpoint_bytes": float_bytes(base)}
+    by_name = {row.name: row for row in rows}
     records = []
-    for name in ["fp32", *candidates]:
+    for name in ["fp32", *by_name]:
         row = metrics[name] | extra[name]
         row["ppl_delta_pct"] = 100 * (row["ppl"] / base_ppl - 1)
         row["checkpoint_mb"] = row["checkpoint_bytes"] / 2**20
         row["weight_bytes_pct"] = 100 * row.get("weight_bytes_ratio", 1.0)
         row["top1_pct"] = 100 * row["top1"] if not math.isnan(row.get("top1", math.nan)) else None
-        protocol = windows.protocol | {"unit_eval_s": unit_s}
+        protocol = windows.protocol | {"unit_eval_s": unit_s} | (details_protocol() if details else {})
         if name != "fp32":
-            protocol |= {"recipe": [{"method": m.name, **dataclasses.asdict(m)} for m in recipe], **calib_protocol}
+            protocol |= {"recipe": [{"method": m.name, **dataclasses.asdict(m)} for m in by_name[name].recipe],
+                         **calib_protocol}
             if kv is not None:
                 row["kv_cache"] = kv.config.name
         records.append(record("compare", model_spec, row, protocol))

@@ -25,7 +25,7 @@ def _save(figure: Any, path: str | Path) -> Path:
     try:
         return write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     finally:
-        figure.clear()
+        _pyplot().close(figure)  # pyplot keeps every open figure otherwise
 
 
 def plot_bits_per_layer(result: Any, path: str | Path) -> Path:

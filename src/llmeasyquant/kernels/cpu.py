@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmeasyquant.kernels.scopes import QUANTIZE_ACTIVATIONS, scope
 from llmeasyquant.primitives import quantize
 from llmeasyquant.scheme import PerChannel, PerTensor, PerToken
 
@@ -46,8 +47,9 @@ class Int8DynamicActKernel:
         return prepared
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
-        qp = layer.activation_qparams(x)
-        qx = quantize(x, qp, layer.scheme.act.bits)
+        with scope(QUANTIZE_ACTIVATIONS):
+            qp = layer.activation_qparams(x)
+            qx = quantize(x, qp, layer.scheme.act.bits)
         acc = torch._int_mm(qx, prepared["wt"])  # [tokens, out] int32
         if "zero" in prepared:
             acc = acc - qx.sum(dim=1, dtype=torch.int32)[:, None] * prepared["zero"][None, :]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS, scope
 from llmeasyquant.primitives import dequantize, quantize
 
 
@@ -15,8 +16,9 @@ def quantize_activation(layer, x: torch.Tensor) -> torch.Tensor:
     act = layer.scheme.act
     if act is None:
         return x
-    qp = layer.activation_qparams(x)
-    return dequantize(quantize(x, qp, act.bits), qp)
+    with scope(QUANTIZE_ACTIVATIONS):
+        qp = layer.activation_qparams(x)
+        return dequantize(quantize(x, qp, act.bits), qp)
 
 
 class ReferenceKernel:
@@ -29,4 +31,6 @@ class ReferenceKernel:
         return None
 
     def run(self, layer, x: torch.Tensor, prepared: None) -> torch.Tensor:
-        return quantize_activation(layer, x) @ layer.dequantize().t()
+        with scope(LOAD_WEIGHTS):
+            weight = layer.dequantize()
+        return quantize_activation(layer, x) @ weight.t()

@@ -34,8 +34,11 @@ def method_by_name(name: str, **options: object) -> Method:
     return cls(**options)
 
 
-def recipe_by_name(spec: str, **options: object) -> list[Method]:
-    """`rtn`, `gptq`, `smoothquant` (then RTN), `smoothquant+gptq`: each option goes to the method that has it."""
+def recipe_by_name(spec: str, strict: bool = True, **options: object) -> list[Method]:
+    """`rtn`, `gptq`, `smoothquant` (then RTN), `smoothquant+gptq`: each option goes to the method that has it.
+
+    An option no method of the recipe has is an error, unless `strict` is False (options shared by several
+    recipes, e.g. when comparing methods, each recipe taking those it knows)."""
     classes = [_method_class(part) for part in spec.split("+") if part.strip()]
     if not classes:
         raise ConfigError("no method named; use e.g. --method rtn")
@@ -48,7 +51,7 @@ def recipe_by_name(spec: str, **options: object) -> list[Method]:
         taken |= set(mine)
         recipe.append(cls(**mine))
     unknown = sorted(set(options) - taken)
-    if unknown:
+    if unknown and strict:
         raise ConfigError(f"no method of {spec!r} has the option {', '.join(unknown)}")
     return recipe
 

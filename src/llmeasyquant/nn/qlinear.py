@@ -179,9 +179,11 @@ class QuantLinear(nn.Module):
     def kernel(self) -> Any:
         if self._kernel is None:
             from llmeasyquant.kernels import select
+            from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, scope
 
             self._kernel = select(self)
-            self._prepared = self._kernel.prepare(self)
+            with scope(LOAD_WEIGHTS):
+                self._prepared = self._kernel.prepare(self)
         return self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

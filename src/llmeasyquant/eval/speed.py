@@ -1,0 +1,95 @@
+"""Speed under the house protocol (batch 1, a 128-token prompt, greedy new tokens) and where decode time goes.
+
+The latency breakdown profiles a short greedy decode with the PyTorch profiler and splits the CPU time into
+"gemm" (the matrix-multiply operators, integer or float, self time), "quant" (activation quantization inside the
+integer layers), "load" (unpacking or dequantizing stored weights, and the kernels' one-time preparation) and
+"other" (everything else: attention, norms, the Python around them). On one process there is no communication or
+synchronisation time; those columns of the paper's Table 5 are absent rather than zero-filled.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS
+
+GEMM_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm", "aten::_weight_int8pack_mm",
+    "aten::_weight_int4pack_mm_for_cpu",
+})
+# Scopes the kernels open (kernels/scopes.py): their inclusive time minus the GEMMs inside them.
+SCOPES = {"load": LOAD_WEIGHTS, "quant": QUANTIZE_ACTIVATIONS}
+
+
+@torch.no_grad()
+def _greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """Seconds of the prefill and of the `new_tokens - 1` decode steps after it (greedy, with the model's cache)."""
+    start = time.perf_counter()
+    out = model(prompt, use_cache=True)
+    prefill_s = time.perf_counter() - start
+    past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        out = model(token, past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return prefill_s, time.perf_counter() - start
+
+
+def generation_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 64, warmup: int = 4) -> dict:
+    """Prefill and decode tokens per second for `prompt` [1, P] and `new_tokens` greedy tokens, after a warm-up."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be at least 2 to time a decode step, got {new_tokens}")
+    _greedy(model, prompt[:, :8], warmup)  # first calls prepare kernels and allocate
+    prefill_s, decode_s = _greedy(model, prompt, new_tokens)
+    return {"prefill_tok_s": prompt.shape[1] / prefill_s, "decode_tok_s": (new_tokens - 1) / decode_s,
+            "prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens}
+
+
+def latency_breakdown(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16) -> dict[str, float]:
+    """Seconds per decoded token in load / quant / gemm / other, from a profiled greedy decode after the prompt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _greedy(model, prompt[:, :8], 4)  # warm up outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, decode_s = _greedy(model, prompt, new_tokens)
+    totals = {"load": 0.0, "quant": 0.0, "gemm": 0.0}
+    all_self = 0.0
+    for event in prof.key_averages():
+        all_self += event.self_cpu_time_total
+        if event.key in GEMM_OPS:
+            totals["gemm"] += event.self_cpu_time_total
+        for part, scope in SCOPES.items():
+            if event.key == scope:
+                totals[part] += event.cpu_time_total
+    gemm_in_scopes = _gemm_inside(prof, set(SCOPES.values()))
+    for part, scope in SCOPES.items():
+        totals[part] = max(0.0, totals[part] - gemm_in_scopes.get(scope, 0.0))
+    totals["other"] = max(0.0, all_self - sum(totals.values()))
+    # Profiled times are CPU time summed over threads; their shares split the wall time of a decode step.
+    wall_per_token = decode_s / (new_tokens - 1)
+    cpu = sum(totals.values()) or 1.0
+    return {part: wall_per_token * micros / cpu for part, micros in totals.items()}
+
+
+def _gemm_inside(prof: object, scopes: set[str]) -> dict[str, float]:
+    """Self time of GEMM operators that ran inside each named scope (microseconds), so no time counts twice."""
+    inside: dict[str, float] = {}
+    for event in prof.events():
+        if event.name not in scopes:
+            continue
+        for child in _descendants(event):
+            if child.name in GEMM_OPS:
+                inside[event.name] = inside.get(event.name, 0.0) + child.self_cpu_time_total
+    return inside
+
+
+def _descendants(event: object) -> list:
+    found, stack = [], list(event.cpu_children)
+    while stack:
+        child = stack.pop()
+        found.append(child)
+        stack.extend(child.cpu_children)
+    return found

@@ -1,0 +1,17 @@
+"""Named profiler scopes around the parts of a quantized layer that are not the GEMM, for the latency breakdown
+(eval/speed.py). Opened only while the profiler runs, so normal inference pays one cheap check."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+LOAD_WEIGHTS = "llmeasyquant::load_weights"
+QUANTIZE_ACTIVATIONS = "llmeasyquant::quantize_activations"
+
+
+def scope(name: str) -> contextlib.AbstractContextManager:
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
