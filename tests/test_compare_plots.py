@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmeasyquant.eval.compare_plots import FIGURES, method_colours, protocol_caption, write_figures
+from llmeasyquant.eval.compare_plots import FIGURES, write_figures
+from llmeasyquant.eval.figure_style import method_colours, protocol_caption
 from llmeasyquant.eval.tsne import input_affinities, standardize, tsne
 
 pytest.importorskip("matplotlib")
@@ -96,7 +97,7 @@ def test_a_field_no_record_holds_gives_a_not_measured_panel(tmp_path: Path,
     for record in records:
         for field in ("latency", "layer_errors", "weight_hist", "weight_summaries", "context_ppl"):
             record["metrics"].pop(field)
-    with caplog.at_level("INFO", logger="llmeasyquant.eval.compare_plots"):
+    with caplog.at_level("INFO", logger="llmeasyquant.eval.figure_style"):
         paths = write_figures(records, tmp_path)
     assert len(paths) == 8
     for path in paths.values():
@@ -144,7 +145,7 @@ def test_radar_scores_put_the_best_row_at_one() -> None:
 
 
 def test_layers_sort_in_model_order() -> None:
-    from llmeasyquant.eval.compare_plots import _layer_key
+    from llmeasyquant.eval.layer_plots import _layer_key
 
     names = ["lm_head", "model.layers.10.mlp.up_proj", "model.layers.2.self_attn.q_proj", "model.layers.2.mlp.up_proj"]
     assert sorted(names, key=_layer_key) == ["model.layers.2.mlp.up_proj", "model.layers.2.self_attn.q_proj",
