@@ -104,3 +104,28 @@ def test_cli_compare_methods_writes_the_report(capsys, llama_folder: Path, wiki_
     assert_one_line_error(code, err, "gptq need calibration text")
     code, _, err = run(capsys, "compare", llama_folder, "--methods", "rtn", "--schemes", "w8a8,w8a16")
     assert_one_line_error(code, err, "at most one scheme")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_one_block_estimate_leaves_the_model_whole(make_model, random_ids, kind: str) -> None:
+    from llmeasyquant.estimate import first_blocks_copy, quantize_seconds
+
+    model = make_model(kind)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    small = first_blocks_copy(model)
+    assert len(small.get_submodule(lq.models.arch.arch_for(small).blocks)) == 1
+    assert small(random_ids[:1], use_cache=False).logits.shape[-1] == model.config.vocab_size
+    seconds = quantize_seconds(model, lq.methods.recipe_by_name("gptq"), lq.parse_scheme("w4a16-g32"), random_ids)
+    assert seconds > 0
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(isinstance(m, lq.QuantLinear) for m in model.modules())
+
+
+def test_compare_logs_its_estimate_before_it_starts(llama_folder: Path, wiki_text: Path, calib_text: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="llmeasyquant.estimate"):
+        lq.compare(str(llama_folder), (), text=str(wiki_text), seqlen=32, max_windows=2, calib=str(calib_text),
+                   calib_samples=4, calib_seqlen=32, methods=["rtn", "gptq"], progress=True)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert re.search(r"estimated time: about \d+ min \(quantization rtn w8a16 \d+ s, gptq w4a16-g128 \d+ s", said)

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from llmeasyquant.api import default_scheme, quantize
 from llmeasyquant.calibration.data import calibration_ids, resolve_text
 from llmeasyquant.errors import ConfigError, DataError
+from llmeasyquant.estimate import log_estimate
 from llmeasyquant.eval.details import details_protocol, measure_details
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
 from llmeasyquant.eval.report import record
@@ -147,9 +148,9 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
                           "calib_samples": int(calib_ids.shape[0]), "calib_seqlen": calib_seqlen}
     unit_windows = EvalWindows(windows.ids[:UNIT_WINDOWS], windows.protocol)
     unit_s = evaluate_windows({"fp32": base}, unit_windows, progress=False)["fp32"]["eval_s"]
-    log.info("an evaluation window takes %.1f s: evaluating %d rows on %d windows will take about %.0f s",
-             unit_s / UNIT_WINDOWS, len(rows) + 1, windows.ids.shape[0],
-             unit_s / UNIT_WINDOWS * windows.ids.shape[0] * (len(rows) + 1))
+    if progress:
+        log_estimate(base, rows, lambda row: calib_ids if _needs_calibration(row) else None, unit_s / UNIT_WINDOWS,
+                     windows.ids.shape[0], details)
     with tempfile.TemporaryDirectory(prefix="llmeasyquant-compare-") as scratch:
         root = Path(workdir) if workdir is not None else Path(scratch)
         candidates: dict[str, nn.Module] = {}
