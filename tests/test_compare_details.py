@@ -125,7 +125,11 @@ def test_one_block_estimate_leaves_the_model_whole(make_model, random_ids, kind:
 def test_compare_logs_its_estimate_before_it_starts(llama_folder: Path, wiki_text: Path, calib_text: Path,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="llmeasyquant.estimate"):
-        lq.compare(str(llama_folder), (), text=str(wiki_text), seqlen=32, max_windows=2, calib=str(calib_text),
-                   calib_samples=4, calib_seqlen=32, methods=["rtn", "gptq"], progress=True)
+        records = lq.compare(str(llama_folder), (), text=str(wiki_text), seqlen=32, max_windows=2,
+                             calib=str(calib_text), calib_samples=4, calib_seqlen=32, methods=["rtn", "gptq"],
+                             progress=True)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert re.search(r"estimated time: about \d+ min \(quantization rtn w8a16 \d+ s, gptq w4a16-g128 \d+ s", said)
+    # The records keep the estimate beside what it estimated, so its accuracy can be checked afterwards.
+    assert all(r["protocol"]["estimated_s"] > 0 and r["protocol"]["wall_s"] > 0 for r in records)
+    assert all(r["metrics"]["quantize_estimate_s"] > 0 for r in records[1:])

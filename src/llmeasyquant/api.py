@@ -18,7 +18,7 @@ from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.arch import arch_for, get_module, set_module
 from llmeasyquant.models.streaming import BlockStreamer
 from llmeasyquant.nn.kv_cache import KVCacheSpec
-from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear
 from llmeasyquant.plan import Plan
 from llmeasyquant.scheme import QuantScheme, parse_scheme
 
@@ -68,7 +68,7 @@ def round_unquantized_to_fp16(model: nn.Module) -> None:
     checkpoint will. A tensor that would overflow fp16 keeps its fp32 values.
     """
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if not tensor.is_floating_point() or tensor.dtype == torch.float16 or name.endswith("inv_freq"):
+        if not tensor.is_floating_point() or tensor.dtype == torch.float16 or name.endswith(FULL_PRECISION_STATE):
             continue
         rounded = tensor.detach().to(torch.float16)
         if not torch.isfinite(rounded).all() and torch.isfinite(tensor).all():

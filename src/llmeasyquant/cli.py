@@ -92,10 +92,22 @@ def _scheme_or_plan(args: argparse.Namespace, recipe: list):
 
     if args.plan is not None:
         return Plan.load(args.plan)
-    if (args.bits, args.group_size, args.act_bits) == (None, None, None) and not (args.asym or args.static):
+    mode = act_mode(args)
+    if (args.bits, args.group_size, args.act_bits, mode) == (None, None, None, None) and not args.asym:
         return default_scheme(recipe)
     return make_scheme(8 if args.bits is None else args.bits, args.group_size, not args.asym,
-                       16 if args.act_bits is None else args.act_bits, args.static)
+                       16 if args.act_bits is None else args.act_bits, act_mode=mode,
+                       momentum=args.act_momentum, eps=args.act_eps, std_floor=args.act_std_floor)
+
+
+def act_mode(args: argparse.Namespace) -> str | None:
+    """--act-mode, with --static as its older spelling; None when neither is given."""
+    mode = getattr(args, "act_mode", None)
+    if getattr(args, "static", False):
+        if mode not in (None, "static"):
+            raise LLMEasyQuantError(f"--static contradicts --act-mode {mode}; give one of them")
+        return "static"
+    return mode
 
 
 def _simquant(args: argparse.Namespace):
@@ -123,8 +135,9 @@ def _recipe(args: argparse.Namespace) -> list:
     from llmeasyquant.methods import recipe_by_name
 
     recipe = recipe_by_name(args.method, **_method_options(args))
-    if (any(m.needs_calibration for m in recipe) or getattr(args, "static", False)) and not args.calib:
-        what = "static activation scales" if getattr(args, "static", False) else args.method
+    static = act_mode(args) == "static"
+    if (any(m.needs_calibration for m in recipe) or static) and not args.calib:
+        what = "static activation scales" if static else args.method
         raise LLMEasyQuantError(f"{what} needs calibration text: pass --calib PATH, --calib wikitext2 "
                                 "or --calib self")
     return recipe
@@ -133,7 +146,7 @@ def _recipe(args: argparse.Namespace) -> list:
 def _calibration(args: argparse.Namespace, recipe: list, model: torch.nn.Module, tokenizer: object):
     from llmeasyquant.calibration.data import calibration_ids
 
-    wanted = any(getattr(m, "needs_calibration", False) for m in recipe) or getattr(args, "static", False)
+    wanted = any(getattr(m, "needs_calibration", False) for m in recipe) or act_mode(args) == "static"
     if not wanted and not (getattr(args, "kv_bits", None) is not None and args.calib):
         return None
     ids, source = calibration_ids(args.calib, model, tokenizer, args.calib_samples, args.calib_seqlen, args.seed)

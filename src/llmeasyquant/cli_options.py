@@ -22,14 +22,23 @@ def add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> Non
 def add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="rtn", help=METHOD_HELP)
     p.add_argument("--bits", type=int, help="weight bits: 2, 3, 4 or 8 (default 8). With none of --bits, "
-                   "--group-size, --asym, --act-bits, --static the method's own scheme is used: rtn w8a16, gptq "
+                   "--group-size, --asym, --act-bits, --act-mode the method's own scheme is used: rtn w8a16, gptq "
                    "w4a16-g128, awq w4a16-g128-asym, smoothquant w8a8, zeroquant w4a8-g64")
     p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
     p.add_argument("--act-bits", type=int, choices=(8, 16),
                    help="8: dynamic per-token int8 activations (W8A8 on integer kernels); 16: float activations")
-    p.add_argument("--static", action="store_true",
-                   help="with --act-bits 8: one static per-tensor activation scale per layer, from calibration data")
+    p.add_argument("--act-mode", choices=("dynamic", "static", "online"),
+                   help="with --act-bits 8: 'dynamic' per-token scales computed on the fly (default); 'static' one "
+                   "per-tensor scale per layer from calibration data; 'online' a per-tensor range tracked with an "
+                   "exponential moving average while the model runs, no calibration")
+    p.add_argument("--static", action="store_true", help="same as --act-mode static")
+    p.add_argument("--act-momentum", type=float, default=0.9,
+                   help="online mode: EMA momentum α of the tracked range (default 0.9)")
+    p.add_argument("--act-eps", type=float, default=1e-5,
+                   help="online mode: smallest range ε_0 an observation may set (default 1e-5)")
+    p.add_argument("--act-std-floor", action="store_true",
+                   help="online mode: raise each observation's range to at least its standard deviation")
     p.add_argument("--plan", type=Path, help="a plan JSON (per-layer schemes) instead of --bits/--group-size/--asym")
     p.add_argument("--keep-fp32", action="store_true",
                    help="store unquantized tensors (embeddings, norms, biases) in fp32 instead of fp16")

@@ -57,8 +57,9 @@ def quantize_seconds(model: nn.Module, recipe: list, scheme: QuantScheme, calib:
 
 
 def log_estimate(model: nn.Module, rows: Sequence, calib_for: Callable, window_s: float, windows: int,
-                 details: bool) -> float:
-    """Time one block of each row's method, add the evaluation, and log the total before the real work starts."""
+                 details: bool) -> dict[str, float]:
+    """Time one block of each row's method, add the evaluation, and log the total before the real work starts.
+    Returns the seconds expected per row's quantization (by row name), for the evaluation and in all ("total")."""
     parts = []
     for row in rows:
         try:
@@ -71,4 +72,4 @@ def log_estimate(model: nn.Module, rows: Sequence, calib_for: Callable, window_s
     log.info("estimated time: about %.0f min (quantization %s; evaluation %.0f s%s), from one and two blocks per "
              "method and one window timed now", total / 60, ", ".join(f"{n} {s:.0f} s" for n, s in parts) or "unknown",
              evaluation, f"; speed and layer measurements {extra:.0f} s" if details else "")
-    return total
+    return dict(parts) | {"evaluation": evaluation, "details": extra, "total": total}

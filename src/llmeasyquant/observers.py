@@ -7,6 +7,26 @@ from dataclasses import dataclass
 import torch
 
 
+def ema_step(previous: torch.Tensor, observed: torch.Tensor, momentum: float) -> torch.Tensor:
+    """δ_t = momentum·δ_{t-1} + (1 - momentum)·observed, where a NaN δ_{t-1} (nothing seen yet) takes `observed`
+    outright. Pure tensor arithmetic: no host sync, so it costs a few element-wise ops per call."""
+    blended = momentum * previous + (1 - momentum) * observed
+    return torch.where(torch.isnan(previous), observed, blended)
+
+
+def observed_extremes(x: torch.Tensor, symmetric: bool, eps: float, std_floor: bool) -> torch.Tensor:
+    """[lo, hi] of one observation for the online activation range, each at least ε_t away from zero, with
+    ε_t = eps, or max(eps, std(x)) with `std_floor` (a range never collapses onto a near-constant input)."""
+    x = x.detach().float()
+    floor = torch.full((), eps, device=x.device)
+    if std_floor and x.numel() > 1:
+        floor = torch.maximum(floor, x.std())
+    if symmetric:
+        hi = torch.maximum(x.abs().amax(), floor)
+        return torch.stack((-hi, hi))
+    return torch.stack((torch.minimum(x.amin(), -floor), torch.maximum(x.amax(), floor)))
+
+
 @dataclass
 class EMARangeObserver:
     """Per-channel [lo, hi] tracked with an exponential moving average: δ_t = α·δ_{t-1} + (1 - α)·ext(X_t).
@@ -28,7 +48,6 @@ class EMARangeObserver:
         if self.lo is None:
             self.lo, self.hi = lo.float().clone(), hi.float().clone()
         else:
-            a = self.momentum
-            self.lo = a * self.lo + (1 - a) * lo.float()
-            self.hi = a * self.hi + (1 - a) * hi.float()
+            self.lo = ema_step(self.lo, lo.float(), self.momentum)
+            self.hi = ema_step(self.hi, hi.float(), self.momentum)
         return self.lo, self.hi

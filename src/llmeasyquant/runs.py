@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -133,6 +134,7 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
     rows = _rows(methods, schemes, recipe, kv, method_options or {})
     if not rows:
         raise ConfigError("nothing to compare: name at least one scheme or method")
+    start = time.perf_counter()
     torch.manual_seed(seed)
     base, tokenizer = load_model(model_spec)
     windows = prepare_windows(base, tokenizer, text, seqlen, max_windows, seed)
@@ -148,9 +150,9 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
                           "calib_samples": int(calib_ids.shape[0]), "calib_seqlen": calib_seqlen}
     unit_windows = EvalWindows(windows.ids[:UNIT_WINDOWS], windows.protocol)
     unit_s = evaluate_windows({"fp32": base}, unit_windows, progress=False)["fp32"]["eval_s"]
-    if progress:
-        log_estimate(base, rows, lambda row: calib_ids if _needs_calibration(row) else None, unit_s / UNIT_WINDOWS,
-                     windows.ids.shape[0], details)
+    # The estimate is for the person waiting; without progress output nobody reads it, so it is not made.
+    estimate = log_estimate(base, rows, lambda row: calib_ids if _needs_calibration(row) else None,
+                            unit_s / UNIT_WINDOWS, windows.ids.shape[0], details) if progress else {}
     with tempfile.TemporaryDirectory(prefix="llmeasyquant-compare-") as scratch:
         root = Path(workdir) if workdir is not None else Path(scratch)
         candidates: dict[str, nn.Module] = {}
@@ -170,7 +172,8 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
                 "quantize_units": quantize_s / unit_s, "checkpoint_bytes": checkpoint_bytes(folder),
                 "bits_per_weight": bits_per_weight(candidates[row.name]),
                 "weight_bytes_ratio": quantized_weight_ratio(candidates[row.name]),
-                "calib_samples": int(calib_ids.shape[0]) if _needs_calibration(row) else 0}
+                "calib_samples": int(calib_ids.shape[0]) if _needs_calibration(row) else 0,
+                "quantize_estimate_s": estimate.get(row.name)}
         caches = {name: (lambda m=m: m.llmeasyquant.kv_cache.new_cache(m)) for name, m in candidates.items()
                   if m.llmeasyquant.kv_cache is not None}
         metrics = evaluate_windows({"fp32": base, **candidates}, windows, reference="fp32", progress=progress,
@@ -181,10 +184,11 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
             for name, model in tqdm({"fp32": base, **candidates}.items(), desc="measuring speed and layers",
                                     unit="row", disable=not progress):
                 extra[name] |= measure_details(base, model, windows)
-    return _records(model_spec, rows, metrics, extra, windows, unit_s, calib_protocol, kv, details)
+    timing = {"unit_eval_s": unit_s, "wall_s": time.perf_counter() - start, "estimated_s": estimate.get("total")}
+    return _records(model_spec, rows, metrics, extra, windows, timing, calib_protocol, kv, details)
 
 
-def _records(model_spec: str, rows: list[_Row], metrics: dict, extra: dict, windows: EvalWindows, unit_s: float,
+def _records(model_spec: str, rows: list[_Row], metrics: dict, extra: dict, windows: EvalWindows, timing: dict,
              calib_protocol: dict, kv: SimQuant | None, details: bool) -> list[dict]:
     base_ppl = metrics["fp32"]["ppl"]
     by_name = {row.name: row for row in rows}
@@ -195,7 +199,7 @@ def _records(model_spec: str, rows: list[_Row], metrics: dict, extra: dict, wind
         row["checkpoint_mb"] = row["checkpoint_bytes"] / 2**20
         row["weight_bytes_pct"] = 100 * row.get("weight_bytes_ratio", 1.0)
         row["top1_pct"] = 100 * row["top1"] if not math.isnan(row.get("top1", math.nan)) else None
-        protocol = windows.protocol | {"unit_eval_s": unit_s} | (details_protocol() if details else {})
+        protocol = windows.protocol | timing | (details_protocol() if details else {})
         if name != "fp32":
             protocol |= {"recipe": [{"method": m.name, **dataclasses.asdict(m)} for m in by_name[name].recipe],
                          **calib_protocol}

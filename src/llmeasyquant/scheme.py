@@ -47,15 +47,24 @@ def _check_bits(bits: int, what: str) -> None:
         raise ConfigError(f"unsupported {what} bit width {bits!r}; choose one of {', '.join(map(str, SUPPORTED_BITS))}")
 
 
+ACT_MODES = ("dynamic", "static", "online")
+
+
 @dataclass(frozen=True)
 class ActScheme:
     """How activations entering a quantized linear are quantized: dynamic scales computed per token (or per
-    tensor) on the fly, or one static per-tensor scale calibrated beforehand and stored with the layer."""
+    tensor) on the fly, one static per-tensor scale calibrated beforehand and stored with the layer, or an online
+    per-tensor range tracked while the model runs (δ_t = momentum·δ_{t-1} + (1 - momentum)·max(ε_t, absmax X_t),
+    ε_t = `eps`, or max(`eps`, std X_t) with `std_floor`), with no calibration data."""
 
     bits: int = 8
     symmetric: bool = True
     dynamic: bool = True
     granularity: Granularity = field(default_factory=PerToken)
+    online: bool = False
+    momentum: float = 0.9
+    eps: float = 1e-5
+    std_floor: bool = False
 
     def __post_init__(self) -> None:
         if self.bits != 8:
@@ -63,8 +72,19 @@ class ActScheme:
         if not isinstance(self.granularity, PerToken | PerTensor):
             raise ConfigError("activation granularity must be per-token or per-tensor")
         if not self.dynamic and not isinstance(self.granularity, PerTensor):
-            raise ConfigError("static activation scales are per tensor (tokens are not known in advance); "
-                              "use per-tensor granularity or dynamic per-token scales")
+            raise ConfigError("static and online activation scales are per tensor (tokens are not known in "
+                              "advance); use per-tensor granularity or dynamic per-token scales")
+        if self.online and self.dynamic:
+            raise ConfigError("online activation ranges replace dynamic scales: set dynamic=False with online=True")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"activation EMA momentum must lie in [0, 1), got {self.momentum}")
+        if not self.eps > 0:
+            raise ConfigError(f"activation range floor eps must be positive, got {self.eps}")
+
+    @property
+    def mode(self) -> str:
+        """'dynamic', 'static' or 'online'."""
+        return "dynamic" if self.dynamic else "online" if self.online else "static"
 
 
 @dataclass(frozen=True)
@@ -84,7 +104,7 @@ class QuantScheme:
     @property
     def static_act(self) -> bool:
         """Activations take one calibrated scale (so quantizing needs calibration data)."""
-        return self.act is not None and not self.act.dynamic
+        return self.act is not None and self.act.mode == "static"
 
     @property
     def group_size(self) -> int | None:
@@ -95,7 +115,7 @@ class QuantScheme:
         """Short name such as `w4a16-g64-asym`; `parse_scheme(name)` gives the scheme back."""
         text = f"w{self.bits}a{self.act.bits if self.act else 16}"
         if self.act is not None and not self.act.dynamic:
-            text += "-astatic"
+            text += f"-a{self.act.mode}"
         elif self.act is not None and isinstance(self.act.granularity, PerTensor):
             text += "-apt"
         if self.act is not None and not self.act.symmetric:
@@ -112,7 +132,9 @@ class QuantScheme:
         return {"bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
                 "act": None if self.act is None else {
                     "bits": self.act.bits, "symmetric": self.act.symmetric, "dynamic": self.act.dynamic,
-                    "granularity": granularity_to_str(self.act.granularity)}}
+                    "granularity": granularity_to_str(self.act.granularity)} | (
+                    {"online": True, "momentum": self.act.momentum, "eps": self.act.eps,
+                     "std_floor": self.act.std_floor} if self.act.online else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> QuantScheme:
@@ -122,7 +144,9 @@ class QuantScheme:
             granularity=granularity_from_str(data["granularity"]),
             act=None if act is None else ActScheme(
                 bits=int(act["bits"]), symmetric=bool(act["symmetric"]), dynamic=bool(act["dynamic"]),
-                granularity=granularity_from_str(act["granularity"])),
+                granularity=granularity_from_str(act["granularity"]), online=bool(act.get("online", False)),
+                momentum=float(act.get("momentum", 0.9)), eps=float(act.get("eps", 1e-5)),
+                std_floor=bool(act.get("std_floor", False))),
         )
 
 
@@ -141,21 +165,31 @@ def granularity_from_str(text: str) -> Granularity:
     return table[text]()
 
 
-_SUFFIX = r"-(g-?\d+|pt|asym|sym|apt|aasym|astatic)"
+_SUFFIX = r"-(g-?\d+|pt|asym|sym|apt|aasym|astatic|aonline)"
 _SCHEME_RE = re.compile(rf"^w(\d+)a(\d+)((?:{_SUFFIX})*)$")
 
 
 def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
-                act_bits: int | None = None, static_act: bool = False) -> QuantScheme:
-    """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`, `--static`."""
+                act_bits: int | None = None, static_act: bool = False, act_mode: str | None = None,
+                **online: float | bool) -> QuantScheme:
+    """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`, `--act-mode` (or
+    `--static`); `online` takes the online mode's `momentum`, `eps` and `std_floor`."""
+    mode = act_mode or ("static" if static_act else "dynamic")
+    if mode not in ACT_MODES:
+        raise ConfigError(f"unknown activation mode {mode!r}; choose one of {', '.join(ACT_MODES)}")
     if group_size is not None:
         granularity: Granularity = PerGroup(group_size)
     else:
         granularity = PerChannel()
-    if static_act and act_bits in (None, 16):
-        raise ConfigError("--static sets static activation scales, which need quantized activations: add --act-bits 8")
-    act = None if act_bits in (None, 16) else (
-        ActScheme(bits=act_bits, dynamic=False, granularity=PerTensor()) if static_act else ActScheme(bits=act_bits))
+    if mode != "dynamic" and act_bits in (None, 16):
+        raise ConfigError(f"{mode} activation scales need quantized activations: add --act-bits 8")
+    if act_bits in (None, 16):
+        act = None
+    elif mode == "dynamic":
+        act = ActScheme(bits=act_bits)
+    else:
+        act = ActScheme(bits=act_bits, dynamic=False, granularity=PerTensor(), online=mode == "online",
+                        **(online if mode == "online" else {}))
     return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act)
 
 
@@ -178,12 +212,13 @@ def parse_scheme(name: str) -> QuantScheme:
             granularity = PerGroup(int(part[1:]))
     act = make_scheme(bits, None, symmetric, act_bits).act
     if act is not None:
-        static = "astatic" in parts
-        act = ActScheme(bits=act.bits, symmetric="aasym" not in parts, dynamic=not static,
-                        granularity=PerTensor() if "apt" in parts or static else PerToken())
-    elif {"apt", "aasym", "astatic"} & set(parts):
-        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -astatic) without quantized "
-                          "activations")
+        tracked = bool({"astatic", "aonline"} & set(parts))
+        act = ActScheme(bits=act.bits, symmetric="aasym" not in parts, dynamic=not tracked,
+                        granularity=PerTensor() if "apt" in parts or tracked else PerToken(),
+                        online="aonline" in parts)
+    elif {"apt", "aasym", "astatic", "aonline"} & set(parts):
+        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -astatic, -aonline) without "
+                          "quantized activations")
     return QuantScheme(bits, symmetric, granularity, act)
 
 

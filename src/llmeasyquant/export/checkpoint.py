@@ -21,7 +21,7 @@ from llmeasyquant.fileio import check_output, staged_folder
 from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
 from llmeasyquant.models.load import no_init_weights
 from llmeasyquant.nn.kv_cache import KeyRanges, KVCacheSpec, KVQuantConfig
-from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear
 from llmeasyquant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ def stored_tensors(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, di
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        if tensor.is_floating_point() and tensor.dtype not in (torch.float16, float_dtype):
+        if (tensor.is_floating_point() and tensor.dtype not in (torch.float16, float_dtype)
+                and not name.endswith(FULL_PRECISION_STATE)):
             cast = tensor.to(float_dtype)
             # A tensor that overflows the storage type stays as it is (quantize() kept it in fp32 on purpose).
             if torch.isfinite(cast).all() or not torch.isfinite(tensor).all():

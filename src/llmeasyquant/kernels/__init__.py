@@ -15,12 +15,15 @@ from typing import Any
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel, Int8DynamicActKernel, Int8WeightOnlyKernel
 from llmeasyquant.kernels.reference import ReferenceKernel
+from llmeasyquant.kernels.triton import TritonW4A16Kernel, TritonW8A8Kernel
 
 log = logging.getLogger(__name__)
 
 REFERENCE = ReferenceKernel()
 KERNELS_BY_DEVICE: dict[str, list[Any]] = {
     "cpu": [Int8DynamicActKernel(), Int8WeightOnlyKernel(), Int4WeightOnlyKernel()],
+    # Triton kernels; importable without triton, whose absence makes supports() say no.
+    "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }
 ALL_KERNELS = {k.name: k for kernels in KERNELS_BY_DEVICE.values() for k in kernels} | {REFERENCE.name: REFERENCE}
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.observers import ema_step, observed_extremes
 from llmeasyquant.primitives import (
     QParams,
     check_finite,
@@ -20,9 +21,12 @@ from llmeasyquant.primitives import (
     unpack_bits,
     unpack_int4,
 )
-from llmeasyquant.scheme import QuantScheme
+from llmeasyquant.scheme import PerTensor, QuantScheme
 
 log = logging.getLogger(__name__)
+
+# Float state kept in fp32 when the rest is rounded to fp16 for storage: the online range moves by small EMA steps.
+FULL_PRECISION_STATE = ("inv_freq", "input_range")
 
 
 def packed_width(bits: int, in_features: int) -> int:
@@ -87,9 +91,12 @@ class QuantLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype))
         else:
             self.bias = None
-        static, act_asym = scheme.static_act, scheme.act is not None and not scheme.act.symmetric
-        self.register_buffer("input_scale", torch.full((1,), float("nan"), dtype=torch.float16) if static else None)
-        self.register_buffer("input_zero", torch.zeros(1, dtype=torch.int8) if static and act_asym else None)
+        # Static and online activations keep one per-tensor scale; online ones also the tracked fp32 [lo, hi].
+        tracked = scheme.act is not None and not scheme.act.dynamic
+        online, act_asym = tracked and scheme.act.online, scheme.act is not None and not scheme.act.symmetric
+        self.register_buffer("input_scale", torch.full((1,), float("nan"), dtype=torch.float16) if tracked else None)
+        self.register_buffer("input_zero", torch.zeros(1, dtype=torch.int8) if tracked and act_asym else None)
+        self.register_buffer("input_range", torch.full((2,), float("nan")) if online else None)
         self.observing = False  # True while static input ranges are being measured: scales come from x itself
         self.kernel_name: str | None = None  # force one kernel (tests, benchmarks); None = registry's choice
         self._kernel: Any = None
@@ -143,15 +150,29 @@ class QuantLinear(nn.Module):
             self.input_zero.copy_(qp.zero.reshape(1).to(torch.int8))
 
     def activation_qparams(self, x: torch.Tensor) -> QParams:
-        """Scale (and zero point) of the activations x [tokens, in]: the stored static ones, or from x itself."""
+        """Scale (and zero point) of the activations x [tokens, in]: the stored static ones, from x itself, or
+        (online) from the range tracked over every input so far, x included; values beyond it are clipped."""
         act = self.scheme.act
         if self.input_scale is None or self.observing:
             return choose_qparams(x, act.bits, act.symmetric, act.granularity, scale_dtype=None)
-        if not bool(torch.isfinite(self.input_scale).all()):
+        if self.input_range is not None:
+            self._track_input_range(x)
+        elif not bool(torch.isfinite(self.input_scale).all()):
             raise ConfigError("this layer has static activation scales that were never calibrated: quantize with "
                               "calibration data (--calib) or use dynamic activations")
         zero = None if self.input_zero is None else self.input_zero.to(torch.int32).reshape(1, 1)
         return QParams(scale=self.input_scale.float().reshape(1, 1), zero=zero, group_size=x.shape[1])
+
+    def _track_input_range(self, x: torch.Tensor) -> None:
+        """Online mode: fold x into the EMA range and store the scale it gives (fp16, like a static one, so an
+        export of the layer freezes exactly the scale in use)."""
+        act = self.scheme.act
+        observed = observed_extremes(x, act.symmetric, act.eps, act.std_floor)
+        self.input_range.copy_(ema_step(self.input_range, observed, act.momentum))
+        qp = choose_qparams(self.input_range.reshape(1, 2), act.bits, act.symmetric, PerTensor())
+        self.input_scale.copy_(qp.scale.reshape(1))
+        if self.input_zero is not None:
+            self.input_zero.copy_(qp.zero.reshape(1).to(torch.int8))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] these integers stand for."""
