@@ -19,6 +19,7 @@ from llmeasyquant.export.formats import export
 from llmeasyquant.methods import AWQ, GPTQ, RTN, SmoothQuant, ZeroQuant
 from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.load import load_model
+from llmeasyquant.nn.fused import fuse_shared_inputs
 from llmeasyquant.nn.kv_cache import KVCacheSpec, KVQuantConfig, QuantizedKVCache
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan, Rule
@@ -77,6 +78,7 @@ __all__ = [
     "compare",
     "evaluate",
     "export",
+    "fuse_shared_inputs",
     "load",
     "load_model",
     "make_scheme",

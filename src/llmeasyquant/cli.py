@@ -1,4 +1,4 @@
-"""llmeasyquant quantize | eval | compare | search | export | report: a thin layer over the Python API."""
+"""llmeasyquant quantize | eval | compare | search | export | bench | report: a thin layer over the Python API."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from llmeasyquant.bench_cli import add_bench_parser, cmd_bench
 from llmeasyquant.cli_options import (
     DEFAULT_MODEL,
     DEFAULT_SCHEMES,
@@ -81,11 +82,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_options(c, 40)
     add_search_parser(sub)
     add_export_parser(sub)
+    add_bench_parser(sub)
     add_report_parser(sub)
     return parser
 
 
 def _scheme_or_plan(args: argparse.Namespace, recipe: list):
+    from llmeasyquant.plan import Plan, Rule
+    from llmeasyquant.scheme import parse_scheme
+
+    body = _body_scheme_or_plan(args, recipe)
+    if args.lm_head is None:
+        return body
+    head = parse_scheme(args.lm_head)
+    if head.act is not None:
+        raise LLMEasyQuantError(f"--lm-head {args.lm_head}: the LM head takes a weight-only scheme (e.g. w8a16), "
+                                "its input is not calibrated")
+    rules = body.rules if isinstance(body, Plan) else Plan.uniform(body).rules
+    return Plan((Rule("lm_head", head), *rules))
+
+
+def _body_scheme_or_plan(args: argparse.Namespace, recipe: list):
     from llmeasyquant.api import default_scheme
     from llmeasyquant.plan import Plan
     from llmeasyquant.scheme import make_scheme
@@ -182,7 +199,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         return  # another rank wrote it, and reports it
     metrics = {"quantize_s": model.llmeasyquant.quantize_s, "checkpoint_bytes": checkpoint_bytes(folder),
                "bits_per_weight": bits_per_weight(model)}
-    what = plan.name if hasattr(plan, "name") else f"plan {args.plan}"
+    what = plan.name if hasattr(plan, "name") else f"plan {args.plan}" if args.plan else ", ".join(
+        f"{rule.pattern} {rule.scheme.name if rule.scheme else 'float'}" for rule in plan.rules)
     if kv is not None:
         what += f", KV cache {kv.config.name}"
     print(f"saved {folder} ({'+'.join(m.name for m in recipe)}, {what}): {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
@@ -303,7 +321,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "compare": cmd_compare, "search": cmd_search,
-            "export": cmd_export, "report": cmd_report}
+            "export": cmd_export, "bench": cmd_bench, "report": cmd_report}
 
 
 DISTRIBUTED_COMMANDS = ("quantize", "eval")

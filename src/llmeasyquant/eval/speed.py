@@ -48,6 +48,15 @@ def generation_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 6
             "prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens}
 
 
+@torch.no_grad()
+def prefill_speed(model: nn.Module, prompt: torch.Tensor) -> float:
+    """Tokens per second of one forward pass over `prompt` [1, P] that fills the model's cache (after a warm-up)."""
+    model(prompt[:, :8], use_cache=True)
+    start = time.perf_counter()
+    model(prompt, use_cache=True)
+    return prompt.shape[1] / (time.perf_counter() - start)
+
+
 def latency_breakdown(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16) -> dict[str, float]:
     """Seconds per decoded token in load / quant / gemm / other, from a profiled greedy decode after the prompt."""
     from torch.profiler import ProfilerActivity, profile

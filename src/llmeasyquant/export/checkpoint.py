@@ -54,6 +54,8 @@ def stored_tensors(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, di
             # A tensor that overflows the storage type stays as it is (quantize() kept it in fp32 on purpose).
             if torch.isfinite(cast).all() or not torch.isfinite(tensor).all():
                 tensor = cast
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # a view into a larger buffer (fused layers): safetensors stores whole tensors
         tensors[name] = tensor.detach().contiguous()
     return tensors, aliases
 

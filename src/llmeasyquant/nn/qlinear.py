@@ -101,6 +101,7 @@ class QuantLinear(nn.Module):
         self.kernel_name: str | None = None  # force one kernel (tests, benchmarks); None = registry's choice
         self._kernel: Any = None
         self._prepared: Any = None
+        self.shared: tuple[Any, int] | None = None  # (nn.fused.SharedInputCall, my index) when fused
 
     # construction --------------------------------------------------------------------------------
     @classmethod
@@ -189,8 +190,10 @@ class QuantLinear(nn.Module):
         self._kernel, self._prepared = None, None
 
     def _apply(self, fn, recurse: bool = True):
-        # Moving or casting the module invalidates whatever the kernel prepared from the buffers.
+        # Moving or casting the module invalidates whatever the kernel prepared from the buffers, and gives each
+        # fused layer its own copies of the buffers it shared.
         self.forget_kernel()
+        self.shared = None
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
@@ -208,6 +211,9 @@ class QuantLinear(nn.Module):
         return self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None:
+            call, index = self.shared
+            return call.output(index, self, x)
         kernel = self.kernel()
         shape = x.shape
         x2d = x.reshape(-1, self.in_features).float()

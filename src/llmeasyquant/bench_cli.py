@@ -1,0 +1,77 @@
+"""`llmeasyquant bench`: prefill and decode speed, memory and the latency breakdown, against the float model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from llmeasyquant.cli_options import DEFAULT_MODEL
+from llmeasyquant.errors import LLMEasyQuantError
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="prefill/decode tokens per second, memory and latency breakdown of a checkpoint "
+                       "or model, with the unquantized model measured in the same run")
+    b.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="checkpoint folder or model spec")
+    b.add_argument("--baseline", help="unquantized model measured beside it (default: the checkpoint's source "
+                   "model); 'none' to measure the model alone")
+    b.add_argument("--thread-counts", help="comma-separated torch thread counts to measure with, e.g. 1,2 "
+                   "(default: the current setting, see --threads)")
+    b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for decode (default 128)")
+    b.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated (default 64)")
+    b.add_argument("--prefill-tokens", type=int, default=512, help="length of the long prefill (default 512)")
+    b.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
+    b.add_argument("--text", type=Path, help="take the prompt from this text file (default: seeded random tokens)")
+    b.add_argument("--no-breakdown", action="store_true", help="skip the profiled latency breakdown")
+    b.add_argument("--no-fuse", action="store_true", help="run q/k/v and gate/up as separate GEMMs (default: "
+                   "layers that read one input run as one GEMM; results are the same)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", type=Path, help="write the result records to this JSON file")
+
+
+def _prompt(args: argparse.Namespace, tokenizer: object, vocab: int, length: int) -> tuple[torch.Tensor, str]:
+    if args.text is None:
+        generator = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, vocab, (1, length), generator=generator), f"random tokens, seed {args.seed}"
+    from llmeasyquant.calibration.data import read_text_file, tokenize
+
+    source = read_text_file(args.text)
+    ids = tokenize(tokenizer, source.text)
+    if ids.numel() < length:
+        raise LLMEasyQuantError(f"{args.text} gives {ids.numel()} tokens; bench needs {length}: use a longer text")
+    return ids[:length].reshape(1, length), source.description
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from llmeasyquant import fuse_shared_inputs, load, load_model
+    from llmeasyquant.eval.bench import BenchConfig, bench, summary_lines, thread_counts
+    from llmeasyquant.eval.report import record, write_json
+    from llmeasyquant.export.checkpoint import is_checkpoint
+
+    config = BenchConfig(args.prompt_tokens, args.new_tokens, args.prefill_tokens, args.repeats,
+                         thread_counts(args.thread_counts), not args.no_breakdown)
+    if is_checkpoint(args.model):
+        model, tokenizer = load(args.model)
+        baseline_spec = args.baseline or getattr(model, "llmeasyquant_source", None)
+    else:
+        model, tokenizer = load_model(args.model)
+        baseline_spec = args.baseline
+    fused = 0 if args.no_fuse else fuse_shared_inputs(model)
+    models = {str(args.model): model.eval()}
+    if baseline_spec and baseline_spec.lower() != "none":
+        baseline, base_tokenizer = load_model(baseline_spec)
+        models = {f"{baseline_spec} (float)": baseline.eval(), **models}
+        tokenizer = tokenizer or base_tokenizer
+    elif args.baseline is None and is_checkpoint(args.model):
+        raise LLMEasyQuantError("the checkpoint names no source model to compare with: pass --baseline MODEL "
+                                "(or --baseline none)")
+    prompt, source = _prompt(args, tokenizer, model.config.vocab_size, max(args.prompt_tokens, args.prefill_tokens))
+    baseline_name = next(iter(models)) if len(models) > 1 else None
+    rows = bench(models, prompt, config, baseline=baseline_name, progress=not args.quiet)
+    print("\n".join(summary_lines(rows)))
+    if args.json:
+        protocol = {"batch": 1, "prompt": source, "greedy": True, **vars(config) | {"threads": list(config.threads)},
+                    "baseline": baseline_name, "fused_groups": fused}
+        write_json(args.json, [record("bench", row["model"], row, protocol) for row in rows])
