@@ -377,3 +377,18 @@ def test_state_dict_round_trip_resets_the_kernel():
     target.load_state_dict(source.state_dict())
     torch.testing.assert_close(target(x), expected, rtol=0, atol=0)
     torch.testing.assert_close(target.dequantize(), source.dequantize(), rtol=0, atol=0)
+
+
+def test_fast_per_token_quantization_is_bit_identical_to_the_primitives():
+    from llmeasyquant.kernels.cpu import quantize_rows_symmetric
+    from llmeasyquant.primitives import choose_qparams, quantize
+    from llmeasyquant.scheme import PerToken
+
+    torch.manual_seed(3)
+    x = torch.randn(9, 77) * torch.logspace(-3, 3, 9)[:, None]
+    x[0] = 0.0  # an all-zero token: the smallest scale, all codes 0
+    x[1, :4] = torch.tensor([127.0, 63.5, -0.5, 1.5])  # exact ties: round half to even, as torch.round does
+    x[2] = -x[2].abs()  # only negatives: the range still includes zero
+    codes, scale = quantize_rows_symmetric(x)
+    qp = choose_qparams(x, 8, True, PerToken(), scale_dtype=None)
+    assert torch.equal(scale, qp.scale) and torch.equal(codes, quantize(x, qp, 8))

@@ -14,7 +14,7 @@ from llmeasyquant.errors import DataError
 from llmeasyquant.scheme import Granularity, PerChannel, PerGroup, PerTensor, PerToken
 
 # Smallest positive fp16 value: a scale below it would round to zero when stored.
-_MIN_SCALE = 2.0**-24
+MIN_SCALE = 2.0**-24
 
 
 def qrange(bits: int) -> tuple[int, int]:
@@ -83,7 +83,7 @@ def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Gra
     lo, hi, width = group_ranges(x, granularity)
     qmin, qmax = qrange(bits)
     scale = torch.maximum(-lo, hi) / qmax if symmetric else (hi - lo) / (qmax - qmin)
-    scale = scale.clamp(min=_MIN_SCALE)
+    scale = scale.clamp(min=MIN_SCALE)
     if scale_dtype is not None:
         scale = _round_up_to(scale, scale_dtype)
     zero = None

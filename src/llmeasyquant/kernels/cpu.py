@@ -18,10 +18,18 @@ from dataclasses import dataclass
 import torch
 
 from llmeasyquant.kernels.scopes import QUANTIZE_ACTIVATIONS, scope
-from llmeasyquant.primitives import quantize
+from llmeasyquant.primitives import MIN_SCALE, QParams, quantize
 from llmeasyquant.scheme import PerChannel, PerTensor, PerToken
 
 _INT4_GROUPS = (32, 64, 128, 256)
+
+
+def quantize_rows_symmetric(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-token int8 codes and scales [tokens, 1] of x [tokens, in] in five operations: bit for
+    bit what `choose_qparams` + `quantize` give (absmax = max(-min(x, 0), max(x, 0)), the same division, rounding
+    and clamp), without their general-purpose grouping, which costs more than the GEMM at decode time."""
+    scale = (x.abs().amax(dim=1, keepdim=True) / 127).clamp_(min=MIN_SCALE)
+    return torch.round(x / scale).clamp_(-128, 127).to(torch.int8), scale
 
 
 def _per_row_weights(layer) -> bool:
@@ -48,8 +56,13 @@ class Int8DynamicActKernel:
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         with scope(QUANTIZE_ACTIVATIONS):
-            qp = layer.activation_qparams(x)
-            qx = quantize(x, qp, layer.scheme.act.bits)
+            act = layer.scheme.act
+            if act.dynamic and act.symmetric and isinstance(act.granularity, PerToken):
+                qx, x_scale = quantize_rows_symmetric(x)
+                qp = QParams(scale=x_scale, zero=None, group_size=x.shape[1])
+            else:
+                qp = layer.activation_qparams(x)
+                qx = quantize(x, qp, act.bits)
         acc = torch._int_mm(qx, prepared["wt"])  # [tokens, out] int32
         if "zero" in prepared:
             acc = acc - qx.sum(dim=1, dtype=torch.int32)[:, None] * prepared["zero"][None, :]
@@ -82,7 +95,7 @@ class Int8WeightOnlyKernel:
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         acc = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, prepared["ones"])
-        y = acc.float() * prepared["scale"][None, :]
+        y = torch.mul(acc, prepared["scale"][None, :])  # promoted to fp32: float(acc) * scale, one operation
         if "zero_times_scale" in prepared:
             y = y - x.sum(dim=1, keepdim=True) * prepared["zero_times_scale"][None, :]
         return y
