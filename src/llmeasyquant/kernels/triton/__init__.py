@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Small tiles for Triton's interpreter (CPU tests), where every program runs in Python; tl.dot needs >= 16.
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}
+
 
 @functools.cache
 def triton_available() -> bool:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmeasyquant.kernels.triton import interpreting
+from llmeasyquant.kernels.triton import INTERPRETER_CONFIG, interpreting
 from llmeasyquant.kernels.triton.w8a8 import prune_by_m
 
 log = logging.getLogger(__name__)
@@ -105,10 +105,6 @@ def _tuned_configs() -> list[triton.Config]:
 
 _w4a16_tuned = triton.autotune(configs=_tuned_configs(), key=["M_BUCKET", "N", "K", "GROUP"],
                                prune_configs_by={"early_config_prune": prune_by_m})(_w4a16_kernel)
-
-# Small tiles for Triton's interpreter (CPU tests), where every program runs in Python; tl.dot needs >= 16.
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}
-
 
 @dataclass(frozen=True)
 class PreparedInt4Weight:

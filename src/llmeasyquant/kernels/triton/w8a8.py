@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmeasyquant.kernels.triton import interpreting
+from llmeasyquant.kernels.triton import INTERPRETER_CONFIG, interpreting
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +157,6 @@ def _int8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, a_zero_ptr, a_sum_ptr,
 
 _int8_gemm_tuned = triton.autotune(configs=_tuned_configs(), key=["M_BUCKET", "N", "K"],
                                    prune_configs_by={"early_config_prune": prune_by_m})(_int8_gemm_kernel)
-
-# Small tiles for Triton's interpreter (CPU tests), where every program runs in Python; tl.dot needs >= 16.
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}
-
 
 @dataclass(frozen=True)
 class QuantizedRows:
