@@ -78,4 +78,12 @@ def test_cli_bench_checkpoint_against_its_source(llama_folder, tmp_path, capsys)
     assert main(["--quiet", "bench", str(out), "--baseline", "none", "--repeats", "1", "--prompt-tokens", "8",
                  "--new-tokens", "3", "--prefill-tokens", "16", "--no-breakdown"]) == 0
     assert "(float)" not in capsys.readouterr().out
+    plot = tmp_path / "latency.png"
+    assert main(["--quiet", "bench", str(out), "--repeats", "1", "--prompt-tokens", "8", "--new-tokens", "3",
+                 "--prefill-tokens", "16", "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["--quiet", "bench", str(out), "--plot", str(plot)]) == 2  # exists: needs --force
+    assert "--force" in capsys.readouterr().err
+    assert main(["--quiet", "bench", str(out), "--no-breakdown", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "--no-breakdown" in capsys.readouterr().err
     assert main(["--quiet", "bench", str(tmp_path / "missing")]) == 2

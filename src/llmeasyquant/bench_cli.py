@@ -29,6 +29,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "layers that read one input run as one GEMM; results are the same)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", type=Path, help="write the result records to this JSON file")
+    b.add_argument("--plot", type=Path, help="write the latency breakdown as a stacked bar chart (PNG), for the "
+                   "largest thread count")
+    b.add_argument("--force", action="store_true", help="replace --plot if it exists")
 
 
 def _prompt(args: argparse.Namespace, tokenizer: object, vocab: int, length: int) -> tuple[torch.Tensor, str]:
@@ -50,6 +53,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from llmeasyquant.eval.report import record, write_json
     from llmeasyquant.export.checkpoint import is_checkpoint
 
+    if args.plot is not None:
+        from llmeasyquant.fileio import check_output
+
+        if args.no_breakdown:
+            raise LLMEasyQuantError("--plot draws the latency breakdown, which --no-breakdown skips: drop one")
+        check_output(args.plot, args.force)  # fail before the measurement, not after
     config = BenchConfig(args.prompt_tokens, args.new_tokens, args.prefill_tokens, args.repeats,
                          thread_counts(args.thread_counts), not args.no_breakdown)
     if is_checkpoint(args.model):
@@ -71,7 +80,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     baseline_name = next(iter(models)) if len(models) > 1 else None
     rows = bench(models, prompt, config, baseline=baseline_name, progress=not args.quiet)
     print("\n".join(summary_lines(rows)))
+    protocol = {"batch": 1, "text_source": source, "greedy": True, **vars(config) | {"threads": None},
+                "thread_counts": list(config.threads), "baseline": baseline_name, "fused_groups": fused}
+    records = [record("bench", row["model"], row, protocol | {"threads": row["threads"]}) for row in rows]
     if args.json:
-        protocol = {"batch": 1, "prompt": source, "greedy": True, **vars(config) | {"threads": list(config.threads)},
-                    "baseline": baseline_name, "fused_groups": fused}
-        write_json(args.json, [record("bench", row["model"], row, protocol) for row in rows])
+        write_json(args.json, records)
+    if args.plot is not None:
+        from llmeasyquant.eval.compare_plots import plot_latency_breakdown
+
+        most = max(row["threads"] for row in rows)
+        print(f"wrote {plot_latency_breakdown([r for r in records if r['metrics']['threads'] == most], args.plot)}")

@@ -29,8 +29,9 @@ def _metrics(record: dict) -> dict:
 
 
 def row_labels(records: list[dict]) -> list[str]:
-    """One distinct label per row: the method, with its scheme where a method appears twice (rtn at 8 and 4 bits)."""
-    methods = [str(_metrics(r).get("method") or f"row {i + 1}") for i, r in enumerate(records)]
+    """One distinct label per row: the method (bench: the model), with its scheme where a method appears twice."""
+    methods = [str(_metrics(r).get("method") or _metrics(r).get("model") or f"row {i + 1}")
+               for i, r in enumerate(records)]
     counts = Counter(methods)
     labels = [f"{m} {_metrics(r).get('scheme', '')}".strip() if counts[m] > 1 else m
               for m, r in zip(methods, records, strict=True)]
