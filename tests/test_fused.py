@@ -53,3 +53,18 @@ def test_online_float_and_mismatched_layers_stay_apart(make_model):
     plan = lq.Plan((lq.Rule(r".*k_proj", lq.parse_scheme("w4a16-g32")), lq.Rule(".*", lq.W8A16)))
     mixed = lq.quantize(make_model("llama"), lq.RTN(), plan, progress=False)
     assert fuse_shared_inputs(mixed) == len(mixed.model.layers)  # gate/up fused; q/k/v differ in scheme
+
+
+def test_weights_loaded_into_a_fused_model_reach_its_fused_gemm(make_model, random_ids):
+    first = lq.quantize(make_model("llama"), lq.RTN(), lq.W8A16, progress=False)
+    torch.manual_seed(1)
+    other_float = make_model("llama")
+    with torch.no_grad():
+        for p in other_float.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    other = lq.quantize(other_float, lq.RTN(), lq.W8A16, progress=False)
+    fuse_shared_inputs(first)
+    with torch.no_grad():
+        first(random_ids)  # the fused GEMMs prepare their kernels from the first weights
+        first.load_state_dict(other.state_dict())
+        assert torch.equal(first(random_ids).logits, other(random_ids).logits)

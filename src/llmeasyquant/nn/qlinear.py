@@ -186,8 +186,11 @@ class QuantLinear(nn.Module):
 
     # compute -------------------------------------------------------------------------------------
     def forget_kernel(self) -> None:
-        """Drop what the kernel prepared from the buffers (after they were overwritten in place)."""
+        """Drop what the kernel prepared from the buffers (after they were overwritten in place); a fused layer's
+        buffers are views into its group's, so the group's preparation goes too."""
         self._kernel, self._prepared = None, None
+        if self.shared is not None:
+            self.shared[0].combined.forget_kernel()
 
     def _apply(self, fn, recurse: bool = True):
         # Moving or casting the module invalidates whatever the kernel prepared from the buffers, and gives each
