@@ -41,6 +41,13 @@ def test_bench_rows_and_speedups(tiny_llama):
         assert len(row["decode_tok_s_runs"]) == 2
         assert row["bandwidth_bound_tok_s"] == pytest.approx(row["bandwidth_gbs"] * 1e9 / row["weight_bytes_per_token"])
         assert set(row["latency"]) == {"load", "quant", "gemm", "other"}
+    layers = rows[1]["latency_layers_ms_per_token"]
+    assert set(layers) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert all(v >= 0 for parts in layers.values() for v in parts.values())
+    assert all(parts["gemm"] > 0 for parts in layers.values())  # every layer's GEMM is seen inside its scope
+    in_layers = sum(sum(parts.values()) for parts in layers.values())
+    assert in_layers <= sum(rows[1]["latency_ms_per_token"].values()) * 1.001
+    assert rows[0]["latency_layers_ms_per_token"] == {}  # the float model has no quantized layers
     assert rows[0]["decode_speedup"] == 1.0
     assert rows[1]["decode_speedup"] == pytest.approx(rows[1]["decode_tok_s"] / rows[0]["decode_tok_s"])
     with pytest.raises(ValueError, match="bench needs 24"):
@@ -70,6 +77,7 @@ def test_cli_bench_checkpoint_against_its_source(llama_folder, tmp_path, capsys)
                  "--new-tokens", "3", "--prefill-tokens", "16", "--json", str(result)]) == 0
     printed = capsys.readouterr().out
     assert "decode tok/s" in printed and "(float)" in printed
+    assert "q_proj+k_proj+v_proj" in printed and "lm_head" in printed  # the per-layer table, fused groups named
     records = json.loads(result.read_text())
     assert [r["kind"] for r in records] == ["bench", "bench"]
     assert records[0]["model"].endswith("(float)") and records[0]["metrics"]["decode_speedup"] == 1.0

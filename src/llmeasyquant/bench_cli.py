@@ -49,7 +49,7 @@ def _prompt(args: argparse.Namespace, tokenizer: object, vocab: int, length: int
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from llmeasyquant import fuse_shared_inputs, load, load_model
-    from llmeasyquant.eval.bench import BenchConfig, bench, summary_lines, thread_counts
+    from llmeasyquant.eval.bench import BenchConfig, bench, layer_lines, summary_lines, thread_counts
     from llmeasyquant.eval.report import record, write_json
     from llmeasyquant.export.checkpoint import is_checkpoint
 
@@ -79,7 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     prompt, source = _prompt(args, tokenizer, model.config.vocab_size, max(args.prompt_tokens, args.prefill_tokens))
     baseline_name = next(iter(models)) if len(models) > 1 else None
     rows = bench(models, prompt, config, baseline=baseline_name, progress=not args.quiet)
-    print("\n".join(summary_lines(rows)))
+    print("\n".join(summary_lines(rows) + layer_lines(rows)))
     protocol = {"batch": 1, "text_source": source, "greedy": True, **vars(config) | {"threads": None},
                 "thread_counts": list(config.threads), "baseline": baseline_name, "fused_groups": fused}
     records = [record("bench", row["model"], row, protocol | {"threads": row["threads"]}) for row in rows]

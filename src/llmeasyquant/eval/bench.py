@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from llmeasyquant.eval.speed import generation_speed, latency_breakdown, prefill_speed
+from llmeasyquant.eval.speed import generation_speed, prefill_speed, profile_decode
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +140,11 @@ def _rows(models: dict[str, nn.Module], rounds: list[dict], threads: int, bandwi
             row["prefill_long_speedup"] = row["prefill_long_tok_s"] / base["prefill_long_tok_s"]
             row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
         if config.breakdown:
-            latency = latency_breakdown(model, prompt[:, : config.prompt_tokens])
-            row["latency"] = latency
-            row["latency_ms_per_token"] = {part: 1000 * s for part, s in latency.items()}
+            profiled = profile_decode(model, prompt[:, : config.prompt_tokens])
+            row["latency"] = profiled["total"]
+            row["latency_ms_per_token"] = {part: 1000 * s for part, s in profiled["total"].items()}
+            row["latency_layers_ms_per_token"] = {kind: {part: 1000 * s for part, s in parts.items()}
+                                                  for kind, parts in profiled["layers"].items()}
         rows.append(row)
     return rows
 
@@ -174,4 +176,20 @@ def summary_lines(rows: Sequence[dict]) -> list[str]:
                      f"{r.get('prefill_long_speedup', float('nan')):5.2f} {r['decode_tok_s']:12.1f} "
                      f"{r.get('decode_speedup', float('nan')):5.2f} {r['weight_bytes_per_token'] / 1e6:8.1f} "
                      f"{r['bandwidth_bound_tok_s']:6.0f}  {parts}")
+    return lines
+
+
+def layer_lines(rows: Sequence[dict]) -> list[str]:
+    """Per quantized layer kind, ms per decoded token by part, for each row that was profiled."""
+    lines = []
+    for r in rows:
+        layers = r.get("latency_layers_ms_per_token")
+        if not layers:
+            continue
+        width = max(len(kind) for kind in layers)
+        lines += ["", f"{r['model']}, {r['threads']} threads: ms per decoded token, summed over the blocks",
+                  f"{'layer':{width}s} {'load':>6s} {'quant':>6s} {'gemm':>6s} {'other':>6s} {'total':>6s}"]
+        for kind, parts in sorted(layers.items(), key=lambda item: -sum(item[1].values())):
+            lines.append(f"{kind:{width}s} " + " ".join(f"{parts[k]:6.2f}" for k in ("load", "quant", "gemm", "other"))
+                         + f" {sum(parts.values()):6.2f}")
     return lines

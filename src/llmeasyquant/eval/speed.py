@@ -1,10 +1,11 @@
 """Speed under the house protocol (batch 1, a 128-token prompt, greedy new tokens) and where decode time goes.
 
-The latency breakdown profiles a short greedy decode with the PyTorch profiler and splits the CPU time into
-"gemm" (the matrix-multiply operators, integer or float, self time), "quant" (activation quantization inside the
-integer layers), "load" (unpacking or dequantizing stored weights, and the kernels' one-time preparation) and
-"other" (everything else: attention, norms, the Python around them). On one process there is no communication or
-synchronisation time; those columns of the paper's Table 5 are absent rather than zero-filled.
+The latency breakdown profiles the steps of a short greedy decode (not its prefill) with the PyTorch profiler and
+splits the CPU time into "gemm" (the matrix-multiply operators, integer or float, self time), "quant" (activation
+quantization inside the integer layers), "load" (unpacking or dequantizing stored weights, and the kernels'
+one-time preparation) and "other" (everything else: attention, norms, the Python around them), for the whole
+model and per quantized layer kind. On one process there is no communication or synchronisation time; those
+columns of the paper's Table 5 are absent rather than zero-filled.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS
+from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS
 
 GEMM_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm", "aten::_weight_int8pack_mm",
@@ -51,7 +52,7 @@ def generation_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 6
     """Prefill and decode tokens per second for `prompt` [1, P] and `new_tokens` greedy tokens, after a warm-up."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 to time a decode step, got {new_tokens}")
-    _greedy(model, prompt[:, :8], warmup)  # first calls prepare kernels and allocate
+    _greedy(model, prompt, warmup)  # first calls prepare kernels and allocate, at the prompt's own length
     prefill_s, decode_s = _greedy(model, prompt, new_tokens)
     return {"prefill_tok_s": prompt.shape[1] / prefill_s, "decode_tok_s": (new_tokens - 1) / decode_s,
             "prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens}
@@ -60,7 +61,7 @@ def generation_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 6
 @torch.no_grad()
 def prefill_speed(model: nn.Module, prompt: torch.Tensor) -> float:
     """Tokens per second of one forward pass over `prompt` [1, P] that fills the model's cache (after a warm-up)."""
-    _fill_cache(model, prompt[:, :8])
+    _fill_cache(model, prompt)  # the first call at a new length pays one-time costs (allocation, packing)
     start = time.perf_counter()
     _fill_cache(model, prompt)
     return prompt.shape[1] / (time.perf_counter() - start)
@@ -68,11 +69,29 @@ def prefill_speed(model: nn.Module, prompt: torch.Tensor) -> float:
 
 def latency_breakdown(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16) -> dict[str, float]:
     """Seconds per decoded token in load / quant / gemm / other, from a profiled greedy decode after the prompt."""
+    return profile_decode(model, prompt, new_tokens)["total"]
+
+
+def profile_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16) -> dict:
+    """Profile `new_tokens - 1` greedy decode steps after the prompt (the prefill runs outside the profile).
+
+    Returns {"total": {part: s per token}, "layers": {layer kind: {part: s per token}}}: parts load / quant / gemm
+    / other; layer kinds are the quantized layers' names within their block (q_proj, or q_proj+k_proj+v_proj when
+    fused; lm_head), each the sum over the blocks. CPU time is summed over threads, so every part is its share of
+    the profiled CPU time applied to the wall time of a decode step."""
     from torch.profiler import ProfilerActivity, profile
 
+    _name_layers(model)
     _greedy(model, prompt[:, :8], 4)  # warm up outside the profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _, decode_s = _greedy(model, prompt, new_tokens)
+    with torch.no_grad():
+        out = _fill_cache(model, prompt)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            for _ in range(new_tokens - 1):
+                out = model(token, past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            decode_s = time.perf_counter() - start
     totals = {"load": 0.0, "quant": 0.0, "gemm": 0.0}
     all_self = 0.0
     for event in prof.key_averages():
@@ -87,9 +106,46 @@ def latency_breakdown(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 
         totals[part] = max(0.0, totals[part] - gemm_in_scopes.get(scope, 0.0))
     totals["other"] = max(0.0, all_self - sum(totals.values()))
     # Profiled times are CPU time summed over threads; their shares split the wall time of a decode step.
-    wall_per_token = decode_s / (new_tokens - 1)
-    cpu = sum(totals.values()) or 1.0
-    return {part: wall_per_token * micros / cpu for part, micros in totals.items()}
+    to_seconds = decode_s / (new_tokens - 1) / (sum(totals.values()) or 1.0)
+    layers = {kind: {part: micros * to_seconds for part, micros in parts.items()}
+              for kind, parts in _per_layer(prof).items()}
+    return {"total": {part: micros * to_seconds for part, micros in totals.items()}, "layers": layers}
+
+
+def _name_layers(model: nn.Module) -> None:
+    """Give each quantized layer (and each fused group's GEMM) the name its profiler scope will carry."""
+    from llmeasyquant.nn.qlinear import QuantLinear
+
+    groups: dict[int, tuple[object, list[str]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            module.profile_name = name.rsplit(".", 1)[-1]
+            if module.shared is not None:
+                call = module.shared[0]
+                groups.setdefault(id(call), (call, []))[1].append(module.profile_name)
+    for call, names in groups.values():
+        call.combined.profile_name = "+".join(names)
+
+
+def _per_layer(prof: object) -> dict[str, dict[str, float]]:
+    """Microseconds per layer kind and part, from the layer scopes QuantLinear opens while profiling."""
+    found: dict[str, dict[str, float]] = {}
+    for event in prof.events():
+        if not event.name.startswith(LAYER_SCOPE):
+            continue
+        parts = found.setdefault(event.name[len(LAYER_SCOPE):], {"load": 0.0, "quant": 0.0, "gemm": 0.0,
+                                                                  "other": 0.0})
+        inside = {"load": 0.0, "quant": 0.0, "gemm": 0.0}
+        for child in _descendants(event):
+            if child.name in GEMM_OPS:
+                inside["gemm"] += child.self_cpu_time_total
+            for part, scope in SCOPES.items():
+                if child.name == scope:
+                    inside[part] += child.cpu_time_total
+        for part in ("load", "quant", "gemm"):
+            parts[part] += inside[part]
+        parts["other"] += max(0.0, event.cpu_time_total - sum(inside.values()))
+    return found
 
 
 def _gemm_inside(prof: object, scopes: set[str]) -> dict[str, float]:

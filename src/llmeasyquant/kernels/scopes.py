@@ -9,6 +9,7 @@ import torch
 
 LOAD_WEIGHTS = "llmeasyquant::load_weights"
 QUANTIZE_ACTIVATIONS = "llmeasyquant::quantize_activations"
+LAYER_SCOPE = "llmeasyquant::layer::"  # + the layer's name in its block: one quantized layer's whole forward
 
 
 def scope(name: str) -> contextlib.AbstractContextManager:

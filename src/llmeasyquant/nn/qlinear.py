@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, scope
 from llmeasyquant.observers import ema_step, observed_extremes
 from llmeasyquant.primitives import (
     QParams,
@@ -102,6 +103,7 @@ class QuantLinear(nn.Module):
         self._kernel: Any = None
         self._prepared: Any = None
         self.shared: tuple[Any, int] | None = None  # (nn.fused.SharedInputCall, my index) when fused
+        self.profile_name = "linear"  # the name of this layer's profiler scope (eval/speed.py sets it)
 
     # construction --------------------------------------------------------------------------------
     @classmethod
@@ -206,7 +208,6 @@ class QuantLinear(nn.Module):
     def kernel(self) -> Any:
         if self._kernel is None:
             from llmeasyquant.kernels import select
-            from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, scope
 
             self._kernel = select(self)
             with scope(LOAD_WEIGHTS):
@@ -217,6 +218,10 @@ class QuantLinear(nn.Module):
         if self.shared is not None:
             call, index = self.shared
             return call.output(index, self, x)
+        with scope(LAYER_SCOPE + self.profile_name):
+            return self._compute(x)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel()
         shape = x.shape
         x2d = x.reshape(-1, self.in_features).float()
