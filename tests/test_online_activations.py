@@ -121,3 +121,21 @@ def test_cli_online_needs_no_calibration(llama_folder, tmp_path, capsys):
     assert main(["--quiet", "quantize", str(llama_folder), "--act-bits", "8", "--act-mode", "online", "--static",
                  "--out", str(tmp_path / "both")]) == 2
     assert "--static contradicts --act-mode online" in capsys.readouterr().err
+
+
+def test_an_export_freezes_the_scale_in_use(tiny_llama, random_ids, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from safetensors import safe_open
+
+    from llmeasyquant.export.compressed import export_compressed_tensors
+
+    model = lq.quantize(tiny_llama, lq.RTN(), ONLINE, progress=False)
+    with torch.no_grad():
+        model(random_ids)
+    result = export_compressed_tensors(model, None, tmp_path / "ct")
+    with safe_open(str(result.path / "model.safetensors"), framework="pt") as f:
+        for name, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, lq.QuantLinear)):
+            assert torch.equal(f.get_tensor(f"{name}.input_scale").float().reshape(1), layer.input_scale.float())
+    fresh = lq.quantize(tiny_llama.__class__(tiny_llama.config), lq.RTN(), ONLINE, progress=False)
+    with pytest.raises(lq.ConfigError, match="has seen no input yet"):  # no scale to freeze
+        export_compressed_tensors(fresh, None, tmp_path / "ct2")

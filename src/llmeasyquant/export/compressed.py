@@ -54,6 +54,7 @@ def _input_args(scheme: QuantScheme, ct: object) -> object | None:
 
 
 def _check_layer(name: str, layer: QuantLinear) -> None:
+    layer.check_input_scale(name)
     if layer.in_features % layer.group_size:
         raise ConfigError(f"layer {name} has {layer.in_features} inputs, not a multiple of its group size "
                           f"{layer.group_size}; compressed-tensors needs whole groups: quantize with a group size "

@@ -13,7 +13,6 @@ import contextlib
 import copy
 import io
 import logging
-import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,10 +94,8 @@ def _act_quant(layer: QuantLinear) -> ActQuant | None:
         return None
     if act.dynamic:
         return ActQuant(dynamic=True, symmetric=act.symmetric, per_token=isinstance(act.granularity, PerToken))
+    layer.check_input_scale()
     scale = float(layer.input_scale.float())
-    if not math.isfinite(scale):
-        raise ConfigError("this layer has static activation scales that were never calibrated: quantize with "
-                          "calibration data (--calib) or use dynamic activations")
     zero = 0 if layer.input_zero is None else int(layer.input_zero)
     return ActQuant(dynamic=False, symmetric=act.symmetric, per_token=False, scale=scale, zero=zero)
 

@@ -160,11 +160,20 @@ class QuantLinear(nn.Module):
             return choose_qparams(x, act.bits, act.symmetric, act.granularity, scale_dtype=None)
         if self.input_range is not None:
             self._track_input_range(x)
-        elif not bool(torch.isfinite(self.input_scale).all()):
-            raise ConfigError("this layer has static activation scales that were never calibrated: quantize with "
-                              "calibration data (--calib) or use dynamic activations")
+        else:
+            self.check_input_scale()
         zero = None if self.input_zero is None else self.input_zero.to(torch.int32).reshape(1, 1)
         return QParams(scale=self.input_scale.float().reshape(1, 1), zero=zero, group_size=x.shape[1])
+
+    def check_input_scale(self, name: str = "this layer") -> None:
+        """Raise if the static or online activation scale is not set yet (NaN): nothing to quantize or export with."""
+        if self.input_scale is None or bool(torch.isfinite(self.input_scale).all()):
+            return
+        if self.input_range is not None:
+            raise ConfigError(f"{name} tracks its activation range online and has seen no input yet: run the model "
+                              "on some text first (e.g. llmeasyquant eval), then export the scale it settled on")
+        raise ConfigError(f"{name} has static activation scales that were never calibrated: quantize with "
+                          "calibration data (--calib) or use dynamic activations")
 
     def _track_input_range(self, x: torch.Tensor) -> None:
         """Online mode: fold x into the EMA range and store the scale it gives (fp16, like a static one, so an
