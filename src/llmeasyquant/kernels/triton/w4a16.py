@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from llmeasyquant.kernels.triton import INTERPRETER_CONFIG, interpreting
-from llmeasyquant.kernels.triton.w8a8 import prune_by_m
+from llmeasyquant.kernels.triton.w8a8 import grouped_tile, prune_by_m
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +37,7 @@ def _w4a16_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, M_BUCKET,
                   stride_om, GROUP: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    # Grouped launch order: GROUP_M row-tiles share each weight tile while it is in L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     safe_cols = cols % N  # out-of-range rows/columns wrap around; their results are not stored

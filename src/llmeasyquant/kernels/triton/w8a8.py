@@ -110,20 +110,24 @@ def prune_by_m(configs: list[triton.Config], nargs: dict, **kwargs) -> list[trit
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` in grouped launch order: GROUP_M row tiles in turn take each
+    column tile, so it is read from L2 rather than memory by all but the first."""
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
 def _int8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, a_zero_ptr, a_sum_ptr, b_scale_ptr, b_zero_ptr, b_sum_ptr,
                       M, N, K, M_BUCKET, stride_am, stride_bn, stride_om,
                       A_ZERO: tl.constexpr, B_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out[M, N] = epilogue(a[M, K] @ b[N, K]^T); b is K-contiguous, the operand layout int8 tensor cores take."""
-    pid = tl.program_id(0)
-    num_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    # Grouped launch order: GROUP_M row-tiles share each column tile while it is in L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
