@@ -170,8 +170,9 @@ class QuantLinear(nn.Module):
         if self.input_scale is None or bool(torch.isfinite(self.input_scale).all()):
             return
         if self.input_range is not None:
-            raise ConfigError(f"{name} tracks its activation range online and has seen no input yet: run the model "
-                              "on some text first (e.g. llmeasyquant eval), then export the scale it settled on")
+            raise ConfigError(f"{name} tracks its activation range online and has seen no input yet, so it has no "
+                              "scale to use or export: run the model on some text and save it (Python: model(ids), "
+                              "then llmeasyquant.save), or quantize with --act-mode static --calib PATH")
         raise ConfigError(f"{name} has static activation scales that were never calibrated: quantize with "
                           "calibration data (--calib) or use dynamic activations")
 
