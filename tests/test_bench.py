@@ -79,10 +79,17 @@ def test_cli_bench_checkpoint_against_its_source(llama_folder, tmp_path, capsys)
     assert "decode tok/s" in printed and "(float)" in printed
     assert "q_proj+k_proj+v_proj" in printed and "lm_head" in printed  # the per-layer table, fused groups named
     records = json.loads(result.read_text())
-    assert [r["kind"] for r in records] == ["bench", "bench"]
+    assert [r["kind"] for r in records] == ["bench", "bench", "bench"]
+    # The float model on transformers (the baseline) and on the lean loop, then the checkpoint on the lean loop.
+    assert [r["metrics"]["runtime"] for r in records] == ["transformers", "lean", "lean"]
     assert records[0]["model"].endswith("(float)") and records[0]["metrics"]["decode_speedup"] == 1.0
-    assert records[1]["protocol"]["baseline"] == records[0]["model"]
-    assert records[1]["metrics"]["weight_bytes_per_token"] < records[0]["metrics"]["weight_bytes_per_token"]
+    assert records[1]["model"].endswith("(float, lean)")
+    assert records[2]["protocol"]["baseline"] == records[0]["model"]
+    assert records[2]["metrics"]["weight_bytes_per_token"] < records[0]["metrics"]["weight_bytes_per_token"]
+    assert main(["--quiet", "bench", str(out), "--runtime", "transformers", "--repeats", "1", "--prompt-tokens", "8",
+                 "--new-tokens", "3", "--prefill-tokens", "16", "--no-breakdown", "--json", str(result)]) == 0
+    assert [r["metrics"]["runtime"] for r in json.loads(result.read_text())] == ["transformers", "transformers"]
+    capsys.readouterr()
     assert main(["--quiet", "bench", str(out), "--baseline", "none", "--repeats", "1", "--prompt-tokens", "8",
                  "--new-tokens", "3", "--prefill-tokens", "16", "--no-breakdown"]) == 0
     assert "(float)" not in capsys.readouterr().out

@@ -9,6 +9,7 @@ import torch
 
 from llmeasyquant.cli_options import DEFAULT_MODEL
 from llmeasyquant.errors import LLMEasyQuantError
+from llmeasyquant.eval.speed import RUNTIMES
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +26,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
     b.add_argument("--text", type=Path, help="take the prompt from this text file (default: seeded random tokens)")
     b.add_argument("--no-breakdown", action="store_true", help="skip the profiled latency breakdown")
+    b.add_argument("--runtime", choices=RUNTIMES, default="lean", help="decode loop for the measured model: 'lean' "
+                   "(static KV cache, short operator path; llama-like families) or 'transformers' (its own forward). "
+                   "The float baseline runs on transformers, and with --runtime lean also on the lean loop, so the "
+                   "gain of the runtime and of the quantization show apart (default lean)")
     b.add_argument("--no-fuse", action="store_true", help="run q/k/v and gate/up as separate GEMMs (default: "
                    "layers that read one input run as one GEMM; results are the same)")
     b.add_argument("--seed", type=int, default=0)
@@ -60,7 +65,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise LLMEasyQuantError("--plot draws the latency breakdown, which --no-breakdown skips: drop one")
         check_output(args.plot, args.force)  # fail before the measurement, not after
     config = BenchConfig(args.prompt_tokens, args.new_tokens, args.prefill_tokens, args.repeats,
-                         thread_counts(args.thread_counts), not args.no_breakdown)
+                         thread_counts(args.thread_counts), not args.no_breakdown, args.runtime)
     if is_checkpoint(args.model):
         model, tokenizer = load(args.model)
         baseline_spec = args.baseline or getattr(model, "llmeasyquant_source", None)
@@ -69,16 +74,22 @@ def cmd_bench(args: argparse.Namespace) -> None:
         baseline_spec = args.baseline
     fused = 0 if args.no_fuse else fuse_shared_inputs(model)
     models = {str(args.model): model.eval()}
+    runtimes = {str(args.model): args.runtime}
     if baseline_spec and baseline_spec.lower() != "none":
         baseline, base_tokenizer = load_model(baseline_spec)
-        models = {f"{baseline_spec} (float)": baseline.eval(), **models}
+        float_models = {f"{baseline_spec} (float)": baseline.eval()}
+        runtimes[f"{baseline_spec} (float)"] = "transformers"
+        if args.runtime != "transformers":
+            float_models[f"{baseline_spec} (float, {args.runtime})"] = baseline
+            runtimes[f"{baseline_spec} (float, {args.runtime})"] = args.runtime
+        models = float_models | models
         tokenizer = tokenizer or base_tokenizer
     elif args.baseline is None and is_checkpoint(args.model):
         raise LLMEasyQuantError("the checkpoint names no source model to compare with: pass --baseline MODEL "
                                 "(or --baseline none)")
     prompt, source = _prompt(args, tokenizer, model.config.vocab_size, max(args.prompt_tokens, args.prefill_tokens))
     baseline_name = next(iter(models)) if len(models) > 1 else None
-    rows = bench(models, prompt, config, baseline=baseline_name, progress=not args.quiet)
+    rows = bench(models, prompt, config, baseline=baseline_name, progress=not args.quiet, runtimes=runtimes)
     print("\n".join(summary_lines(rows) + layer_lines(rows)))
     protocol = {"batch": 1, "text_source": source, "greedy": True, **vars(config) | {"threads": None},
                 "thread_counts": list(config.threads), "baseline": baseline_name, "fused_groups": fused}

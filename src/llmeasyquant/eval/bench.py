@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from llmeasyquant.eval.speed import generation_speed, prefill_speed, profile_decode
+from llmeasyquant.eval.speed import RUNTIMES, generation_speed, prefill_speed, profile_decode
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class BenchConfig:
     repeats: int = 3
     threads: tuple[int, ...] = ()  # () = torch's current setting only
     breakdown: bool = True
+    runtime: str = "lean"  # for every model but the baseline, which runs on transformers (eval/speed.py RUNTIMES)
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "prefill_tokens", "repeats"):
@@ -42,6 +43,8 @@ class BenchConfig:
             raise ValueError(f"new_tokens must be at least 2 to time a decode step, got {self.new_tokens}")
         if any(t < 1 for t in self.threads):
             raise ValueError(f"thread counts must be at least 1, got {list(self.threads)}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
 
 
 def memory_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:
@@ -82,22 +85,25 @@ def model_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
-def _timed_round(models: dict[str, nn.Module], prompt: torch.Tensor, long_prompt: torch.Tensor,
-                 config: BenchConfig) -> dict[str, dict[str, float]]:
+def _timed_round(models: dict[str, nn.Module], runtimes: dict[str, str], prompt: torch.Tensor,
+                 long_prompt: torch.Tensor, config: BenchConfig) -> dict[str, dict[str, float]]:
     """One interleaved round: every model's prefill (both lengths) and decode speed."""
     found = {}
     for name, model in models.items():
-        speed = generation_speed(model, prompt[:, : config.prompt_tokens], config.new_tokens)
-        speed["prefill_long_tok_s"] = prefill_speed(model, long_prompt)
+        speed = generation_speed(model, prompt[:, : config.prompt_tokens], config.new_tokens, runtime=runtimes[name])
+        speed["prefill_long_tok_s"] = prefill_speed(model, long_prompt, runtimes[name])
         found[name] = speed
     return found
 
 
 def bench(models: dict[str, nn.Module], prompt: torch.Tensor, config: BenchConfig, baseline: str | None = None,
-          progress: bool = True) -> list[dict]:
+          progress: bool = True, runtimes: dict[str, str] | None = None) -> list[dict]:
     """Rows (one per model and thread count) of speeds, speed-ups against `baseline`, bytes and the breakdown.
 
-    `prompt` [1, ≥ max(prompt_tokens, prefill_tokens)] token ids."""
+    `prompt` [1, ≥ max(prompt_tokens, prefill_tokens)] token ids. Each model runs on `runtimes[name]` where given,
+    else the baseline on transformers and the others on `config.runtime`."""
+    runtimes = {name: (runtimes or {}).get(name, "transformers" if name == baseline else config.runtime)
+                for name in models}
     needed = max(config.prompt_tokens, config.prefill_tokens)
     if prompt.shape[-1] < needed:
         raise ValueError(f"the prompt has {prompt.shape[-1]} tokens; bench needs {needed}")
@@ -110,10 +116,10 @@ def bench(models: dict[str, nn.Module], prompt: torch.Tensor, config: BenchConfi
         for threads in config.threads or (before,):
             torch.set_num_threads(threads)
             bandwidth = memory_bandwidth_gbs()
-            rounds = [_timed_round(models, prompt, long_prompt, config)
+            rounds = [_timed_round(models, runtimes, prompt, long_prompt, config)
                       for _ in tqdm(range(config.repeats), desc=f"bench rounds, {threads} threads", unit="round",
                                     disable=not progress)]
-            rows += _rows(models, rounds, threads, bandwidth, baseline, prompt, config)
+            rows += _rows(models, runtimes, rounds, threads, bandwidth, baseline, prompt, config)
     finally:
         torch.set_num_threads(before)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -122,14 +128,14 @@ def bench(models: dict[str, nn.Module], prompt: torch.Tensor, config: BenchConfi
     return rows
 
 
-def _rows(models: dict[str, nn.Module], rounds: list[dict], threads: int, bandwidth: float, baseline: str | None,
-          prompt: torch.Tensor, config: BenchConfig) -> list[dict]:
+def _rows(models: dict[str, nn.Module], runtimes: dict[str, str], rounds: list[dict], threads: int,
+          bandwidth: float, baseline: str | None, prompt: torch.Tensor, config: BenchConfig) -> list[dict]:
     keys = ("prefill_tok_s", "prefill_long_tok_s", "decode_tok_s")
     medians = {name: {k: statistics.median(r[name][k] for r in rounds) for k in keys} for name in models}
     rows = []
     for name, model in models.items():
         per_token = weight_bytes_per_token(model)
-        row = {"model": name, "threads": threads, **medians[name],
+        row = {"model": name, "runtime": runtimes[name], "threads": threads, **medians[name],
                "decode_tok_s_runs": [r[name]["decode_tok_s"] for r in rounds],
                "weight_bytes_per_token": per_token, "model_mb": model_bytes(model) / 2**20,
                "bandwidth_gbs": bandwidth, "bandwidth_bound_tok_s": bandwidth * 1e9 / per_token,
@@ -140,7 +146,7 @@ def _rows(models: dict[str, nn.Module], rounds: list[dict], threads: int, bandwi
             row["prefill_long_speedup"] = row["prefill_long_tok_s"] / base["prefill_long_tok_s"]
             row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
         if config.breakdown:
-            profiled = profile_decode(model, prompt[:, : config.prompt_tokens])
+            profiled = profile_decode(model, prompt[:, : config.prompt_tokens], runtime=runtimes[name])
             row["latency"] = profiled["total"]
             row["latency_ms_per_token"] = {part: 1000 * s for part, s in profiled["total"].items()}
             row["latency_layers_ms_per_token"] = {kind: {part: 1000 * s for part, s in parts.items()}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS
+from llmeasyquant.runtime.decoder import LeanDecoder
 
 GEMM_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm", "aten::_weight_int8pack_mm",
@@ -23,6 +24,9 @@ GEMM_OPS = frozenset({
 })
 # Scopes the kernels open (kernels/scopes.py): their inclusive time minus the GEMMs inside them.
 SCOPES = {"load": LOAD_WEIGHTS, "quant": QUANTIZE_ACTIVATIONS}
+
+
+RUNTIMES = ("lean", "transformers")
 
 
 def _fill_cache(model: nn.Module, prompt: torch.Tensor) -> object:
@@ -34,45 +38,77 @@ def _fill_cache(model: nn.Module, prompt: torch.Tensor) -> object:
         return model(prompt, use_cache=True)
 
 
-@torch.no_grad()
-def _greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """Seconds of the prefill and of the `new_tokens - 1` decode steps after it (greedy, with the model's cache)."""
+class Greedy:
+    """Greedy batch-1 generation on one runtime: "transformers" (the model's own forward and cache) or "lean"
+    (runtime/decoder.py: a static cache and a short operator path). Built before timing starts, so that only
+    the prefill and the steps are timed."""
+
+    def __init__(self, model: nn.Module, runtime: str, max_tokens: int) -> None:
+        if runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+        self.model, self.runtime = model, runtime
+        self.decoder = LeanDecoder(model, max_tokens) if runtime == "lean" else None
+        self.past: object = None
+
+    @torch.no_grad()
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """Fill the cache with prompt [1, P]; the first chosen token."""
+        if self.decoder is not None:
+            self.decoder.reset()
+            return self.decoder.prefill(prompt).argmax()
+        out = _fill_cache(self.model, prompt)
+        self.past = out.past_key_values
+        return out.logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Append `token`; the next chosen token."""
+        if self.decoder is not None:
+            return self.decoder.step(token).argmax()
+        out = self.model(token.reshape(1, 1), past_key_values=self.past, use_cache=True)
+        self.past = out.past_key_values
+        return out.logits[:, -1:].argmax(-1)
+
+
+def _greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int, runtime: str) -> tuple[float, float]:
+    """Seconds of the prefill and of the `new_tokens - 1` decode steps after it."""
+    run = Greedy(model, runtime, prompt.shape[1] + new_tokens)
     start = time.perf_counter()
-    out = _fill_cache(model, prompt)
+    token = run.prefill(prompt)
     prefill_s = time.perf_counter() - start
-    past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     start = time.perf_counter()
     for _ in range(new_tokens - 1):
-        out = model(token, past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        token = run.step(token)
     return prefill_s, time.perf_counter() - start
 
 
-def generation_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 64, warmup: int = 4) -> dict:
+def generation_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 64, warmup: int = 4,
+                     runtime: str = "transformers") -> dict:
     """Prefill and decode tokens per second for `prompt` [1, P] and `new_tokens` greedy tokens, after a warm-up."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 to time a decode step, got {new_tokens}")
-    _greedy(model, prompt, warmup)  # first calls prepare kernels and allocate, at the prompt's own length
-    prefill_s, decode_s = _greedy(model, prompt, new_tokens)
+    _greedy(model, prompt, warmup, runtime)  # first calls prepare kernels and allocate, at the prompt's own length
+    prefill_s, decode_s = _greedy(model, prompt, new_tokens, runtime)
     return {"prefill_tok_s": prompt.shape[1] / prefill_s, "decode_tok_s": (new_tokens - 1) / decode_s,
-            "prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens}
+            "prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens, "runtime": runtime}
 
 
-@torch.no_grad()
-def prefill_speed(model: nn.Module, prompt: torch.Tensor) -> float:
-    """Tokens per second of one forward pass over `prompt` [1, P] that fills the model's cache (after a warm-up)."""
-    _fill_cache(model, prompt)  # the first call at a new length pays one-time costs (allocation, packing)
+def prefill_speed(model: nn.Module, prompt: torch.Tensor, runtime: str = "transformers") -> float:
+    """Tokens per second of one forward pass over `prompt` [1, P] that fills the cache (after a warm-up)."""
+    run = Greedy(model, runtime, prompt.shape[1])
+    run.prefill(prompt)  # the first call at a new length pays one-time costs (allocation, packing)
     start = time.perf_counter()
-    _fill_cache(model, prompt)
+    run.prefill(prompt)
     return prompt.shape[1] / (time.perf_counter() - start)
 
 
-def latency_breakdown(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16) -> dict[str, float]:
+def latency_breakdown(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16,
+                      runtime: str = "transformers") -> dict[str, float]:
     """Seconds per decoded token in load / quant / gemm / other, from a profiled greedy decode after the prompt."""
-    return profile_decode(model, prompt, new_tokens)["total"]
+    return profile_decode(model, prompt, new_tokens, runtime)["total"]
 
 
-def profile_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16) -> dict:
+def profile_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16, runtime: str = "transformers") -> dict:
     """Profile `new_tokens - 1` greedy decode steps after the prompt (the prefill runs outside the profile).
 
     Returns {"total": {part: s per token}, "layers": {layer kind: {part: s per token}}}: parts load / quant / gemm
@@ -82,16 +118,14 @@ def profile_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16)
     from torch.profiler import ProfilerActivity, profile
 
     _name_layers(model)
-    _greedy(model, prompt[:, :8], 4)  # warm up outside the profile
-    with torch.no_grad():
-        out = _fill_cache(model, prompt)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            for _ in range(new_tokens - 1):
-                out = model(token, past_key_values=past, use_cache=True)
-                past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            decode_s = time.perf_counter() - start
+    _greedy(model, prompt[:, :8], 4, runtime)  # warm up outside the profile
+    run = Greedy(model, runtime, prompt.shape[1] + new_tokens)
+    token = run.prefill(prompt)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            token = run.step(token)
+        decode_s = time.perf_counter() - start
     totals = {"load": 0.0, "quant": 0.0, "gemm": 0.0}
     all_self = 0.0
     for event in prof.key_averages():

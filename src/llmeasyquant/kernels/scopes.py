@@ -13,6 +13,7 @@ LAYER_SCOPE = "llmeasyquant::layer::"  # + the layer's name in its block: one qu
 
 
 def scope(name: str) -> contextlib.AbstractContextManager:
-    if torch.autograd._profiler_enabled():
+    # Inside torch.compile the scopes are left out: the check itself would split the compiled graph.
+    if not torch.compiler.is_compiling() and torch.autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()

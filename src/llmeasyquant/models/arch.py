@@ -28,6 +28,22 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class DecoderSpec:
+    """What the lean decode loop (runtime/decoder.py) needs of a pre-norm block with rotary attention and a gated
+    MLP, as paths relative to one block. `qk_norm` names per-head RMSNorms applied to queries and keys before
+    rotation (Qwen3), None where the family has none."""
+
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    attention: str = "self_attn"  # the module whose `head_dim` and `scaling` the loop reads
+    gate: str = "mlp.gate_proj"
+    up: str = "mlp.up_proj"
+    down: str = "mlp.down_proj"
+    activation: str = "mlp.act_fn"
+    qk_norm: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     family: str
     blocks: str  # the ModuleList of transformer blocks
@@ -40,6 +56,8 @@ class ArchSpec:
     # The module computing RoPE's (cos, sin) from position ids, None when keys carry no rotary embedding.
     # KV-cache quantization reads it to quantize keys before rotation (rotate-half convention).
     rotary_embedding: str | None
+    # The lean decode loop's map of a block; None where the family runs on transformers' own forward only.
+    decoder: DecoderSpec | None = None
 
 
 _LLAMA_LIKE = dict(
@@ -59,10 +77,11 @@ _LLAMA_LIKE = dict(
 )
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(family="llama", **_LLAMA_LIKE),
-    "mistral": ArchSpec(family="mistral", **_LLAMA_LIKE),
-    "qwen2": ArchSpec(family="qwen2", **_LLAMA_LIKE),
-    "qwen3": ArchSpec(family="qwen3", **_LLAMA_LIKE),
+    "llama": ArchSpec(family="llama", **_LLAMA_LIKE, decoder=DecoderSpec()),
+    "mistral": ArchSpec(family="mistral", **_LLAMA_LIKE, decoder=DecoderSpec()),
+    "qwen2": ArchSpec(family="qwen2", **_LLAMA_LIKE, decoder=DecoderSpec()),
+    "qwen3": ArchSpec(family="qwen3", **_LLAMA_LIKE,
+                      decoder=DecoderSpec(qk_norm=("self_attn.q_norm", "self_attn.k_norm"))),
     "gpt2": ArchSpec(
         family="gpt2",
         blocks="transformer.h",

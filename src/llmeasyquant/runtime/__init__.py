@@ -1,0 +1,1 @@
+"""Inference paths beyond transformers' own forward."""

@@ -1,0 +1,188 @@
+"""A lean batch-1 decode loop for pre-norm rotary decoders (the families whose arch entry has a `decoder` map).
+
+In transformers' forward, a batch-1 decode step of a small model spends most of its time outside the matrix
+multiplies: some fifty operators per block, the Python around them, and a cache that grows by concatenation.
+Quantized weights make the GEMMs several times cheaper, which pays only if the rest shrinks too. This loop runs the
+model's own modules and weights (QuantLinear layers through their kernels, fused groups as one GEMM) with:
+- a static KV cache, allocated once for the whole generation and written in place;
+- rotary tables computed once, by the model's own rotary module (so its scaling rule holds);
+- one `rms_norm` operator per norm, queries and keys rotated together;
+- the LM head on the last position only.
+Logits equal transformers' to float rounding (tests compare them on tiny models of each family and on SmolLM2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.models.arch import arch_for, get_module
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Norm:
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module: nn.Module) -> _Norm:
+        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", None)
+        if eps is None:
+            raise ConfigError(f"{type(module).__name__} has no epsilon the lean decoder can read")
+        return cls(module.weight, float(eps))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
+class _Block:
+    attn_norm: _Norm
+    qkv: Linear  # [T, hidden] -> [T, (heads + 2 kv_heads) * head_dim]: q, k, v side by side
+    qk_norm: tuple[_Norm, _Norm] | None
+    o: Linear
+    mlp_norm: _Norm
+    gate_up: Linear  # [T, hidden] -> [T, 2 * intermediate]: gate then up
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    down: Linear
+
+
+def _joined(members: list[nn.Module]) -> Linear:
+    """One callable giving the members' outputs side by side: their fused group's single GEMM when
+    `fuse_shared_inputs` joined them, else each layer in turn."""
+    shared = [getattr(m, "shared", None) for m in members]
+    if shared[0] is not None and all(s is not None and s[0] is shared[0][0] and s[1] == i
+                                     for i, s in enumerate(shared)):
+        return shared[0][0].combined.forward
+    calls = [m.forward for m in members]  # .forward skips nn.Module.__call__'s hook bookkeeping on the hot path
+    return lambda x: torch.cat([call(x) for call in calls], dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanDecoder:
+    """Greedy batch-1 generation over a static KV cache of `max_tokens` positions.
+
+    `prefill(ids)` runs the prompt and returns the next token's logits; `step(token)` appends one token.
+    `reset()` starts a new sequence in the same cache."""
+
+    def __init__(self, model: nn.Module, max_tokens: int) -> None:
+        arch = arch_for(model)
+        spec = arch.decoder
+        if spec is None:
+            raise ConfigError(f"the lean decode loop does not cover the {arch.family} family (no `decoder` entry in "
+                              "models/arch.py); run it on transformers' forward instead (--runtime transformers)")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        config = model.config
+        blocks = get_module(model, arch.blocks)
+        attention = get_module(blocks[0], spec.attention)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.scaling = int(attention.head_dim), float(attention.scaling)
+        for block in blocks:
+            # Per layer where the family sets it per layer (Qwen2/3), else the config's (Mistral).
+            window = getattr(get_module(block, spec.attention), "sliding_window",
+                             getattr(config, "sliding_window", None))
+            if window is not None and window < max_tokens:
+                raise ConfigError(f"this model attends over a sliding window of {window} tokens; the lean decoder "
+                                  f"keeps full attention, so it runs at most {window} tokens (asked: {max_tokens})")
+        self.embed = get_module(model, arch.embeddings[0])
+        self.final_norm = _Norm.of(get_module(model, arch.final_norm))
+        self.lm_head = get_module(model, arch.lm_head).forward
+        self.blocks = [self._block(block, arch.attention, spec) for block in blocks]
+        dtype = self.embed.weight.dtype
+        shape = (len(self.blocks), 1, self.kv_heads, max_tokens, self.head_dim)  # [blocks, batch, heads, pos, dim]
+        self.keys = torch.zeros(shape, dtype=dtype)
+        self.values = torch.zeros(shape, dtype=dtype)
+        rotary = get_module(model, arch.rotary_embedding)
+        positions = torch.arange(max_tokens)[None]
+        cos, sin = rotary(torch.zeros(1, dtype=dtype), positions)  # [1, max_tokens, head_dim]
+        self.cos, self.sin = cos[0, :, None, :].to(dtype), sin[0, :, None, :].to(dtype)  # [pos, 1, dim]
+        self.max_tokens = max_tokens
+        self.length = 0
+
+    @staticmethod
+    def _block(block: nn.Module, attention, spec) -> _Block:
+        def at(path: str) -> nn.Module:
+            return get_module(block, path)
+
+        qk_norm = None
+        if spec.qk_norm is not None:
+            qk_norm = (_Norm.of(at(spec.qk_norm[0])), _Norm.of(at(spec.qk_norm[1])))
+        return _Block(
+            attn_norm=_Norm.of(at(spec.attn_norm)),
+            qkv=_joined([at(attention.q), at(attention.k), at(attention.v)]),
+            qk_norm=qk_norm,
+            o=at(attention.o).forward,
+            mlp_norm=_Norm.of(at(spec.mlp_norm)),
+            gate_up=_joined([at(spec.gate), at(spec.up)]),
+            activation=at(spec.activation),
+            down=at(spec.down).forward,
+        )
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt ids [P] (or [1, P]) into the cache; logits [vocab] of the next token."""
+        return self._logits(self._run(ids.reshape(-1)))
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Append one token id (any shape of one element); logits [vocab] of the next token."""
+        return self._logits(self._run(token.reshape(1)))
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Greedy continuation of ids [P] or [1, P]: the `new_tokens` ids chosen, [new_tokens]."""
+        self.reset()
+        token = self.prefill(ids).argmax()
+        chosen = [token]
+        for _ in range(new_tokens - 1):
+            token = self.step(token).argmax()
+            chosen.append(token)
+        return torch.stack(chosen)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_norm(hidden))[0]
+
+    def _run(self, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden state [1, hidden] of the last of `ids` [T], their keys and values written to the cache."""
+        count, start = ids.shape[0], self.length
+        end = start + count
+        if end > self.max_tokens:
+            raise ValueError(f"the sequence would reach {end} tokens; this decoder was built for {self.max_tokens}")
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, 1, dim]
+        mask = None
+        if count > 1 and start > 0:  # a chunk after a cached prefix: position i sees the prefix and itself
+            mask = torch.ones(count, end, dtype=torch.bool).tril(diagonal=start)
+        x = self.embed(ids)  # [T, hidden]
+        for index, block in enumerate(self.blocks):
+            qkv = block.qkv(block.attn_norm(x))  # [T, (heads + 2 kv_heads) * dim]
+            qk = qkv[:, : (heads + kv_heads) * dim].view(count, heads + kv_heads, dim)
+            if block.qk_norm is not None:
+                qk = torch.cat((block.qk_norm[0](qk[:, :heads]), block.qk_norm[1](qk[:, heads:])), dim=1)
+            qk = qk * cos + _rotate_half(qk) * sin
+            keys, values = self.keys[index], self.values[index]  # [1, kv_heads, max_tokens, dim]
+            keys[0, :, start:end] = qk[:, heads:].transpose(0, 1)
+            values[0, :, start:end] = qkv[:, (heads + kv_heads) * dim:].view(count, kv_heads, dim).transpose(0, 1)
+            attended = F.scaled_dot_product_attention(
+                qk[:, :heads].transpose(0, 1)[None], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+                is_causal=count > 1 and start == 0, scale=self.scaling, enable_gqa=True)  # [1, heads, T, dim]
+            x = x + block.o(attended[0].transpose(0, 1).reshape(count, heads * dim))
+            gate, up = block.gate_up(block.mlp_norm(x)).chunk(2, dim=-1)
+            x = x + block.down(block.activation(gate) * up)
+        self.length = end
+        return x[-1:]

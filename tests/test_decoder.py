@@ -1,0 +1,128 @@
+"""The lean decode loop against transformers' own forward: logits, greedy tokens, chunked prefill, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import llmeasyquant as lq
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.runtime.decoder import LeanDecoder
+
+SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=256, max_position_embeddings=256)
+FAMILIES = {  # one tiny model per llama-like family, each with what sets it apart
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZES, tie_word_embeddings=False)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZES)),  # biases on q, k, v
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=16)),  # RMSNorm on each query and key head
+}
+
+
+def family_model(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    for name, param in model.named_parameters():  # random norm weights and biases, so that a skipped one shows
+        if param.dim() == 1:
+            param.data.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    return model
+
+
+def prompt(length: int = 20, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def transformers_logits(model: torch.nn.Module, ids: torch.Tensor, steps: list[int]) -> list[torch.Tensor]:
+    """Next-token logits after the prompt and after each forced step, from the model's own forward and cache."""
+    out = model(ids, use_cache=True)
+    found, past = [out.logits[0, -1]], out.past_key_values
+    for token in steps:
+        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        found.append(out.logits[0, -1])
+        past = out.past_key_values
+    return found
+
+
+@torch.no_grad()
+def lean_logits(model: torch.nn.Module, ids: torch.Tensor, steps: list[int]) -> list[torch.Tensor]:
+    decoder = LeanDecoder(model, ids.shape[1] + len(steps))
+    found = [decoder.prefill(ids)]
+    found += [decoder.step(torch.tensor(token)) for token in steps]
+    return found
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_float_logits_match_transformers(family):
+    model = family_model(family)
+    steps = [5, 17, 250, 3]
+    for ours, theirs in zip(lean_logits(model, prompt(), steps), transformers_logits(model, prompt(), steps),
+                            strict=True):
+        assert ours.shape == theirs.shape == (256,)
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "w4a16-g32-asym"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_quantized_logits_match_transformers(family, scheme, fuse):
+    model = lq.quantize(family_model(family), lq.RTN(), lq.parse_scheme(scheme), progress=False)
+    if fuse:
+        assert lq.fuse_shared_inputs(model) == 4  # q/k/v and gate/up in each of the two blocks
+    steps = [9, 100, 42]
+    for ours, theirs in zip(lean_logits(model, prompt(), steps), transformers_logits(model, prompt(), steps),
+                            strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_equal_transformers_generate():
+    model = family_model("llama")
+    ids = prompt(16, seed=3)
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              pad_token_id=255)[0, 16:]
+    decoder = LeanDecoder(model, 28)
+    assert torch.equal(decoder.generate(ids, 12), expected)
+    assert torch.equal(decoder.generate(ids, 12), expected)  # generate() starts over in the same cache
+
+
+def test_prefill_in_chunks_equals_one_prefill():
+    """A chunk after a cached prefix sees the prefix and the chunk's earlier positions only (the mask path)."""
+    model = family_model("qwen2")
+    ids = prompt(24)
+    whole = LeanDecoder(model, 24).prefill(ids)
+    chunked = LeanDecoder(model, 24)
+    chunked.prefill(ids[:, :10])
+    torch.testing.assert_close(chunked.prefill(ids[:, 10:]), whole, atol=2e-5, rtol=1e-4)
+
+
+def test_cache_is_written_in_place_and_bounded():
+    model = family_model("llama")
+    decoder = LeanDecoder(model, 21)
+    storage = decoder.keys.untyped_storage().data_ptr()
+    decoder.prefill(prompt())
+    decoder.step(torch.tensor(1))
+    assert decoder.length == 21 and decoder.keys.untyped_storage().data_ptr() == storage
+    assert decoder.keys[:, :, :, :21].abs().sum() > 0
+    with pytest.raises(ValueError, match="built for 21"):
+        decoder.step(torch.tensor(1))
+
+
+def test_unsupported_family_and_window(tiny_gpt2):
+    with pytest.raises(ConfigError, match="gpt2 family"):
+        LeanDecoder(tiny_gpt2, 16)
+    torch.manual_seed(0)
+    windowed = MistralForCausalLM(MistralConfig(**SIZES, sliding_window=8)).eval()
+    with pytest.raises(ConfigError, match="sliding window of 8"):
+        LeanDecoder(windowed, 16)
+    with pytest.raises(ValueError, match="max_tokens"):
+        LeanDecoder(family_model("llama"), 0)
