@@ -5,7 +5,10 @@
 Protocol (DESIGN.md): batch 1, a 128-token prompt (the start of WikiText-2 raw test), 64 greedy new tokens; prefill
 also at 512 tokens; `--repeats` interleaved rounds, medians; each thread count measured in turn. Every quantized
 model is RTN (no calibration: speed does not depend on the method), its LM head kept in float or quantized W8A16
-("+ head"), q/k/v and gate/up fused into one GEMM each (`lq.fuse_shared_inputs`, as `bench` does). Beside each:
+("+ head"), q/k/v and gate/up fused into one GEMM each (`lq.fuse_shared_inputs`, as `bench` does). The baseline
+"fp32" runs on transformers' own forward; every other row on the lean decode loop (runtime/decoder.py), the fp32
+model too ("fp32 (lean)"), and one quantized model also on transformers' loop, so that what the loop gains and what
+the quantization gains show apart. Beside each:
 the bytes of weights a decoded token reads, the machine's read bandwidth and the decode speed it allows.
 Accuracy: perplexity on the first --max-windows 512-token windows with the kernels the registry picks and with the
 reference kernel forced, to show speed does not change results. llama.cpp (llama-cpp-python, when installed) runs
@@ -43,6 +46,7 @@ RUNS = (  # (row name, body scheme, LM head scheme or None)
     ("w4a16-g64-asym + head", "w4a16-g64-asym", "w8a16"),
     ("w4a16-g128 + head", "w4a16-g128", "w8a16"),
 )
+LOOP_COMPARED = "w8a8 + head"  # also timed on transformers' loop
 
 
 def quantized(name: str, body: str, head: str | None) -> torch.nn.Module:
@@ -119,13 +123,19 @@ def main() -> int:
     source = read_text_file(DATA / "wikitext-2-raw/wiki.test.raw")
     prompt = tokenize(tokenizer, source.text)[:512].reshape(1, 512)
     models = {"fp32": base.eval(), **{name: quantized(name, body, head) for name, body, head in runs}}
+    # The same objects again under another loop: their quality is the same, so it is measured once.
+    same_as = {"fp32 (lean)": "fp32", f"{LOOP_COMPARED} (transformers loop)": LOOP_COMPARED}
+    runtimes = {"fp32": "transformers", f"{LOOP_COMPARED} (transformers loop)": "transformers"}
+    timed = {"fp32": models["fp32"], "fp32 (lean)": models["fp32"], **{k: v for k, v in models.items() if k != "fp32"}}
+    if LOOP_COMPARED in models:
+        timed[f"{LOOP_COMPARED} (transformers loop)"] = models[LOOP_COMPARED]
     config = BenchConfig(threads=threads, repeats=args.repeats)
-    rows = bench(models, prompt, config, baseline="fp32")
+    rows = bench(timed, prompt, config, baseline="fp32", runtimes=runtimes)
     print("\n".join(summary_lines(rows)))
     windows = make_windows(tokenizer, source, 512, args.max_windows)
     quality = accuracy(models, windows)
     for row in rows:
-        row |= quality[row["model"]]
+        row |= quality[same_as.get(row["model"], row["model"])]
     llama_rows = []
     try:
         import llama_cpp  # noqa: F401
@@ -149,7 +159,7 @@ def main() -> int:
                           f"(x{speed['prefill_long_speedup']:.2f}), decode {speed['decode_tok_s']:.1f} tok/s "
                           f"(x{speed['decode_speedup']:.2f})")
     for row in rows:
-        if row["model"] == "fp32":
+        if "ppl_reference_kernel" not in row:
             continue
         print(f"{row['model']:24s} {row['threads']} thr: ppl {row['ppl']:.4f} (reference kernel "
               f"{row['ppl_reference_kernel']:.4f}), decode x{row['decode_speedup']:.2f}")

@@ -35,7 +35,7 @@ def group_width(granularity: Granularity, cols: int) -> int:
     return min(granularity.size, cols) if isinstance(granularity, PerGroup) else cols
 
 
-def _grouped(x: torch.Tensor, width: int) -> torch.Tensor:
+def grouped_view(x: torch.Tensor, width: int) -> torch.Tensor:
     """[rows, cols] -> [rows, groups, width], the last group padded with zeros (which every range includes)."""
     rows, cols = x.shape
     groups = -(-cols // width)
@@ -63,7 +63,7 @@ def group_ranges(x: torch.Tensor, granularity: Granularity) -> tuple[torch.Tenso
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
     x = x.detach().float()
     width = group_width(granularity, x.shape[1])
-    grouped = _grouped(x, width)  # [rows, groups, width]
+    grouped = grouped_view(x, width)  # [rows, groups, width]
     lo = grouped.amin(dim=-1).clamp(max=0)
     hi = grouped.amax(dim=-1).clamp(min=0)
     if isinstance(granularity, PerTensor):

@@ -18,18 +18,20 @@ from dataclasses import dataclass
 import torch
 
 from llmeasyquant.kernels.scopes import QUANTIZE_ACTIVATIONS, scope
-from llmeasyquant.primitives import MIN_SCALE, QParams, quantize
+from llmeasyquant.primitives import MIN_SCALE, quantize
 from llmeasyquant.scheme import PerChannel, PerTensor, PerToken
 
 _INT4_GROUPS = (32, 64, 128, 256)
 
 
 def quantize_rows_symmetric(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric per-token int8 codes and scales [tokens, 1] of x [tokens, in] in six operations: bit for
-    bit what `choose_qparams` + `quantize` give (the max-norm is max |x| exactly, the same division, rounding and
-    clamp), without their general-purpose grouping, which costs more than the GEMM at decode time."""
+    """Dynamic symmetric per-token int8 codes and scales [tokens, 1] of x [tokens, in] in five operations: bit for
+    bit what `choose_qparams` + `quantize` give (the max-norm is max |x| exactly; the same division and rounding),
+    without their general-purpose grouping, which costs more than the GEMM at decode time. Their clamp is left out
+    because it never binds: scale >= max|x| / 127 up to one rounding, so |x / scale| <= 127.5 and the rounded
+    codes lie in [-128, 127] (tested on adversarial inputs)."""
     scale = (torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / 127).clamp_(min=MIN_SCALE)
-    return torch.round(x / scale).clamp_(-128, 127).to(torch.int8), scale
+    return torch.round(x / scale).to(torch.int8), scale
 
 
 def _per_row_weights(layer) -> bool:
@@ -54,28 +56,29 @@ class Int8DynamicActKernel:
         prepared = {"wt": wt, "scale": layer.scales[:, 0].float(), "w_sum": wt.sum(dim=0, dtype=torch.int32)}
         if layer.zeros is not None:
             prepared["zero"] = layer.zeros[:, 0].to(torch.int32)
+        act = layer.scheme.act
+        prepared["rows"] = act.dynamic and act.symmetric and isinstance(act.granularity, PerToken)
         return prepared
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         with scope(QUANTIZE_ACTIVATIONS):
-            act = layer.scheme.act
-            if act.dynamic and act.symmetric and isinstance(act.granularity, PerToken):
+            if prepared["rows"]:  # the common case, decided once: dynamic symmetric per-token
                 qx, x_scale = quantize_rows_symmetric(x)
-                qp = QParams(scale=x_scale, zero=None, group_size=x.shape[1])
+                x_zero = None
             else:
                 qp = layer.activation_qparams(x)
-                qx = quantize(x, qp, act.bits)
+                qx = quantize(x, qp, layer.scheme.act.bits)
+                x_scale, x_zero = qp.scale.expand(x.shape[0], 1), qp.zero  # [tokens, 1]
         acc = torch._int_mm(qx, prepared["wt"])  # [tokens, out] int32
         if "zero" in prepared:
             acc = acc - qx.sum(dim=1, dtype=torch.int32)[:, None] * prepared["zero"][None, :]
-        if qp.zero is not None:
-            zx = qp.zero.expand(x.shape[0], 1)  # [tokens, 1]
+        if x_zero is not None:
             w_sum = prepared["w_sum"][None, :]
             if "zero" in prepared:
                 w_sum = w_sum - layer.in_features * prepared["zero"][None, :]
-            acc = acc - zx * w_sum
+            acc = acc - x_zero.expand(x.shape[0], 1) * w_sum
         # int32 * fp32 promotes to fp32: float(acc) * s_x, then * s_w, without a separate conversion pass.
-        return torch.mul(acc, qp.scale.expand(x.shape[0], 1)) * prepared["scale"][None, :]
+        return torch.mul(acc, x_scale) * prepared["scale"][None, :]
 
 
 class Int8WeightOnlyKernel:

@@ -1,6 +1,12 @@
-"""The oracle: dequantize the weight and fake-quantize the activations, then a float matmul.
+"""The oracle every other kernel is tested against.
 
-Every other kernel is tested against this one, and ONNX export follows the same arithmetic.
+Weight-only layers: dequantize the weight, then a float32 matmul (ONNX export follows the same arithmetic).
+Layers with quantized activations: the integer product, exactly. Codes minus zero points are multiplied and summed
+in float64, where every partial sum is an integer below 2^53, so the sum has no rounding error whatever the order.
+It is then scaled in float32 in the integer kernels' order (sum, times the activation scale, times the weight
+scale), so an integer kernel that accumulates exactly in int32 gives the same bits. A float product of dequantized
+values would differ from every integer kernel in the last bit, and a last-bit change before the next layer's
+activation rounding flips codes downstream.
 """
 
 from __future__ import annotations
@@ -8,17 +14,32 @@ from __future__ import annotations
 import torch
 
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS, scope
-from llmeasyquant.primitives import dequantize, quantize
+from llmeasyquant.primitives import expand_groups, grouped_view, quantize
 
 
-def quantize_activation(layer, x: torch.Tensor) -> torch.Tensor:
-    """x as the integer kernels see it: rounded to the activation scheme's grid (identity when A16)."""
+def _centred(codes: torch.Tensor, zero: torch.Tensor | None, width: int) -> torch.Tensor:
+    """codes [rows, cols] minus their zero points [rows or 1, groups], as float64 integers."""
+    rows, cols = codes.shape
+    values = codes.double()
+    return values if zero is None else values - expand_groups(zero.double(), width, rows, cols)
+
+
+def integer_product(layer, x: torch.Tensor) -> torch.Tensor:
+    """y [tokens, out] of a layer with quantized activations, from x [tokens, in]."""
     act = layer.scheme.act
-    if act is None:
-        return x
     with scope(QUANTIZE_ACTIVATIONS):
         qp = layer.activation_qparams(x)
-        return dequantize(quantize(x, qp, act.bits), qp)
+        qx = quantize(x, qp, act.bits)
+    dx = _centred(qx, qp.zero, qp.group_size)  # [tokens, in]; activations are per token or per tensor
+    with scope(LOAD_WEIGHTS):
+        dw = _centred(layer.codes(), layer.zeros, layer.group_size)  # [out, in]
+    x_scale = qp.scale.expand(x.shape[0], 1)  # [tokens, 1]
+    if layer.scales.shape[1] == 1:
+        return torch.mul((dx @ dw.t()).float(), x_scale) * layer.scales[:, 0].float()[None, :]
+    # Group-wise weights: one exact integer sum per group, scaled per group, then summed.
+    per_group = torch.einsum("tgk,ogk->tgo", grouped_view(dx, layer.group_size),
+                             grouped_view(dw, layer.group_size))
+    return torch.mul(torch.einsum("tgo,og->to", per_group.float(), layer.scales.float()), x_scale)
 
 
 class ReferenceKernel:
@@ -31,6 +52,8 @@ class ReferenceKernel:
         return None
 
     def run(self, layer, x: torch.Tensor, prepared: None) -> torch.Tensor:
+        if layer.scheme.act is not None:
+            return integer_product(layer, x)
         with scope(LOAD_WEIGHTS):
             weight = layer.dequantize()
-        return quantize_activation(layer, x) @ weight.t()
+        return x @ weight.t()
