@@ -10,8 +10,8 @@ model is RTN (no calibration: speed does not depend on the method), its LM head 
 model too ("fp32 (lean)"), and one quantized model also on transformers' loop, so that what the loop gains and what
 the quantization gains show apart. Beside each:
 the bytes of weights a decoded token reads, the machine's read bandwidth and the decode speed it allows.
-Accuracy: perplexity on the first --max-windows 512-token windows with the kernels the registry picks and with the
-reference kernel forced, to show speed does not change results. llama.cpp (llama-cpp-python, when installed) runs
+Accuracy: perplexity on the first --max-windows 512-token windows with the kernels the registry measured fastest,
+with the integer operators at every row count, and with the reference kernel forced, to show what speed changes. llama.cpp (llama-cpp-python, when installed) runs
 the bundled Q4_1 file and a Q8_0 file exported from our RTN W8 g32 checkpoint, timed the same way (prefill = one
 eval of the prompt; decode = one eval per token, greedy on its logits).
 """
@@ -19,6 +19,7 @@ eval of the prompt; decode = one eval per token, greedy on its logits).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -59,16 +60,38 @@ def quantized(name: str, body: str, head: str | None) -> torch.nn.Module:
     return model
 
 
+def _chosen_kernels(model: torch.nn.Module) -> dict[int, list[str]]:
+    """Which kernels ran at each row count over all layers (measured per shape: decode and prefill may differ)."""
+    chosen: dict[int, set[str]] = {}
+    for layer in (m for m in model.modules() if isinstance(m, lq.QuantLinear)):
+        for rows, kernel in layer.chosen_kernels().items():
+            chosen.setdefault(rows, set()).add(kernel)
+    return {rows: sorted(names) for rows, names in sorted(chosen.items())}
+
+
+def _forget(model: torch.nn.Module) -> None:
+    for layer in (m for m in model.modules() if isinstance(m, lq.QuantLinear)):
+        layer.forget_kernel()
+
+
 def accuracy(models: dict[str, torch.nn.Module], windows: EvalWindows) -> dict[str, dict]:
-    """Perplexity with the registry's kernels and with the reference kernel forced, per model."""
+    """Perplexity with the kernels the registry measured fastest, with the integer operators at every row count
+    (the registry's fixed order: what decode runs), and with the reference kernel forced, per model."""
     fast = evaluate_windows(models, windows, reference="fp32")
     found = {name: {"ppl": m["ppl"], "kld": m["kld"], "top1": m["top1"]} for name, m in fast.items()}
     for name, model in models.items():
         if name == "fp32":
             continue
+        found[name]["kernels_by_rows"] = _chosen_kernels(model)
+        os.environ["LLMEASYQUANT_KERNEL_CHOICE"] = "first"
+        _forget(model)
+        try:
+            found[name]["ppl_integer_kernels"] = evaluate_windows({name: model}, windows, progress=False)[name]["ppl"]
+        finally:
+            del os.environ["LLMEASYQUANT_KERNEL_CHOICE"]
+            _forget(model)
         with forced_kernel(model, "reference"):
             found[name]["ppl_reference_kernel"] = evaluate_windows({name: model}, windows, progress=False)[name]["ppl"]
-        found[name]["kernels"] = sorted({m.kernel().name for m in model.modules() if isinstance(m, lq.QuantLinear)})
     return found
 
 
@@ -161,8 +184,9 @@ def main() -> int:
     for row in rows:
         if "ppl_reference_kernel" not in row:
             continue
-        print(f"{row['model']:24s} {row['threads']} thr: ppl {row['ppl']:.4f} (reference kernel "
-              f"{row['ppl_reference_kernel']:.4f}), decode x{row['decode_speedup']:.2f}")
+        print(f"{row['model']:24s} {row['threads']} thr: ppl {row['ppl']:.4f} (integer kernels "
+              f"{row['ppl_integer_kernels']:.4f}, reference kernel {row['ppl_reference_kernel']:.4f}), "
+              f"decode x{row['decode_speedup']:.2f}; kernels by rows {row['kernels_by_rows']}")
     protocol = {"batch": 1, "prompt": f"first tokens of {source.description}", "prompt_tokens": 128,
                 "new_tokens": 64, "prefill_tokens": 512, "repeats": args.repeats, "threads": list(threads),
                 "greedy": True, "accuracy_windows": windows.protocol}

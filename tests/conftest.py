@@ -54,6 +54,13 @@ def build_model(kind: str) -> torch.nn.Module:
     raise ValueError(kind)
 
 
+@pytest.fixture(autouse=True)
+def _fixed_kernel_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry's first supporting kernel, for every row count: tests that name the kernel they expect stay
+    reproducible. The measured choice (kernels/choice.py) is tested on its own in test_kernel_choice.py."""
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL_CHOICE", "first")
+
+
 @pytest.fixture(scope="session")
 def make_model() -> Callable[[str], torch.nn.Module]:
     """Factory: make_model('llama' | 'gpt2') gives a fresh tiny random model each call (identical weights)."""

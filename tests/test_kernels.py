@@ -157,7 +157,7 @@ def test_registry_choice(scheme_name, in_features, expected):
     layer = QuantLinear.from_weight(weight, bias, parse_scheme(scheme_name))
     assert select(layer).name == expected
     assert layer.kernel().name == expected
-    assert f"kernel={expected}" in repr(layer)
+    assert f"kernel by rows=(1: {expected})" in repr(layer)
     # Whatever was chosen runs and agrees with the reference.
     reference = QuantLinear.from_weight(weight, bias, parse_scheme(scheme_name))
     reference.kernel_name = REFERENCE

@@ -1,4 +1,5 @@
-"""Kernel registry: an explicit table from device type to the kernels tried in order, then the reference.
+"""Kernel registry: an explicit table from device type to the kernels that can run a layer; which of them runs
+is measured per shape and row count (kernels/choice.py); the reference kernel takes what none supports.
 
 `LLMEASYQUANT_KERNEL=reference` (or a kernel's name) forces one kernel everywhere; `layer.kernel_name` forces
 one for a single layer. A forced kernel that cannot run the layer is an error, not a silent fallback.
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.kernels import choice
 from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel, Int8DynamicActKernel, Int8WeightOnlyKernel
 from llmeasyquant.kernels.reference import ReferenceKernel
 from llmeasyquant.kernels.triton import TritonW4A16Kernel, TritonW8A8Kernel
@@ -28,8 +30,18 @@ KERNELS_BY_DEVICE: dict[str, list[Any]] = {
 ALL_KERNELS = {k.name: k for kernels in KERNELS_BY_DEVICE.values() for k in kernels} | {REFERENCE.name: REFERENCE}
 
 
-def select(layer) -> Any:
-    """The kernel that will run `layer` on the device its buffers live on."""
+def candidates(layer) -> list[Any]:
+    """Kernels that can run `layer` where its buffers live, in the registry's order; on the CPU a weight-only layer
+    also has the reference kernel (a dequantize-then-GEMM for it), which wins at many rows (kernels/choice.py)."""
+    device = layer.qweight.device.type
+    found = [k for k in KERNELS_BY_DEVICE.get(device, []) if k.supports(layer)]
+    if device == "cpu" and layer.scheme.act is None and found:
+        found.append(REFERENCE)
+    return found
+
+
+def select(layer, rows: int = 1) -> Any:
+    """The kernel that will run `layer`, for inputs of `rows` rows, on the device its buffers live on."""
     forced = layer.kernel_name or os.environ.get("LLMEASYQUANT_KERNEL") or None
     if forced:
         if forced not in ALL_KERNELS:
@@ -39,9 +51,9 @@ def select(layer) -> Any:
             raise ConfigError(f"kernel {forced!r} cannot run a {layer.scheme.name} layer of width "
                               f"{layer.in_features}; unset the forced kernel to let the registry choose")
         return kernel
-    for kernel in KERNELS_BY_DEVICE.get(layer.qweight.device.type, []):
-        if kernel.supports(layer):
-            return kernel
+    found = candidates(layer)
+    if found:
+        return found[0] if choice.mode() == "first" else choice.choose(layer, found, rows)
     log.debug("no integer kernel for %s (in=%d) on %s; using the reference kernel",
               layer.scheme.name, layer.in_features, layer.qweight.device.type)
     return REFERENCE

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.kernels.choice import row_bucket
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, scope
 from llmeasyquant.observers import ema_step, observed_extremes
 from llmeasyquant.primitives import (
@@ -100,8 +101,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_range", torch.full((2,), float("nan")) if online else None)
         self.observing = False  # True while static input ranges are being measured: scales come from x itself
         self.kernel_name: str | None = None  # force one kernel (tests, benchmarks); None = registry's choice
-        self._kernel: Any = None
-        self._prepared: Any = None
+        self._kernels: dict[int, Any] = {}  # row bucket (kernels/choice.py) -> the kernel that runs it
+        self._prepared: dict[str, Any] = {}  # kernel name -> what it prepared from the buffers
         self.shared: tuple[Any, int] | None = None  # (nn.fused.SharedInputCall, my index) when fused
         self.profile_name = "linear"  # the name of this layer's profiler scope (eval/speed.py sets it)
 
@@ -200,7 +201,7 @@ class QuantLinear(nn.Module):
     def forget_kernel(self) -> None:
         """Drop what the kernel prepared from the buffers (after they were overwritten in place); a fused layer's
         buffers are views into its group's, so the group's preparation goes too."""
-        self._kernel, self._prepared = None, None
+        self._kernels, self._prepared = {}, {}
         if self.shared is not None:
             self.shared[0].combined.forget_kernel()
 
@@ -215,14 +216,27 @@ class QuantLinear(nn.Module):
         self.forget_kernel()
         super()._load_from_state_dict(*args, **kwargs)
 
-    def kernel(self) -> Any:
-        if self._kernel is None:
+    def kernel(self, rows: int = 1) -> Any:
+        """The kernel that runs inputs of `rows` rows (chosen on first use of its row bucket), prepared."""
+        bucket = row_bucket(rows)
+        kernel = self._kernels.get(bucket)
+        if kernel is None:
             from llmeasyquant.kernels import select
 
-            self._kernel = select(self)
+            kernel = self._kernels[bucket] = select(self, rows)
+            self.prepared_for(kernel)
+        return kernel
+
+    def chosen_kernels(self) -> dict[int, str]:
+        """Row bucket -> name of the kernel chosen for it, for the buckets used so far."""
+        return {rows: kernel.name for rows, kernel in sorted(self._kernels.items())}
+
+    def prepared_for(self, kernel: Any) -> Any:
+        """What `kernel` prepares from the buffers (repacked weights, scales), made once and kept."""
+        if kernel.name not in self._prepared:
             with scope(LOAD_WEIGHTS):
-                self._prepared = self._kernel.prepare(self)
-        return self._kernel
+                self._prepared[kernel.name] = kernel.prepare(self)
+        return self._prepared[kernel.name]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
@@ -232,17 +246,18 @@ class QuantLinear(nn.Module):
             return self._compute(x)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel()
         if x.dim() == 2 and x.dtype == torch.float32:  # the decode loop's case: no reshaping or casting to do
-            y = kernel.run(self, x, self._prepared)
+            kernel = self.kernel(x.shape[0])
+            y = kernel.run(self, x, self._prepared[kernel.name])
             return y if self.bias is None else y + self.bias.float()
         shape = x.shape
         x2d = x.reshape(-1, self.in_features).float()
-        y = kernel.run(self, x2d, self._prepared)
+        kernel = self.kernel(x2d.shape[0])
+        y = kernel.run(self, x2d, self._prepared[kernel.name])
         if self.bias is not None:
             y = y + self.bias.float()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        name = self._kernel.name if self._kernel is not None else "not chosen yet"
-        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, kernel={name}"
+        chosen = ", ".join(f"{rows}: {name}" for rows, name in self.chosen_kernels().items()) or "not chosen yet"
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, kernel by rows=({chosen})"

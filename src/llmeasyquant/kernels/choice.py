@@ -1,0 +1,86 @@
+"""Which kernel runs a layer at a given number of rows: measured once per shape, not guessed.
+
+No kernel is fastest everywhere. On the reference CPU, PyTorch's int8 weight-only operator beats everything at
+one to sixteen rows (decode), while at 128 rows and more (prefill, evaluation) dequantizing the weight and running
+the fp32 GEMM is 1.5-2.3x faster than it. So for each (device, scheme, layer shape, row bucket, threads) the
+candidates are timed once, on this layer with random inputs, and the fastest is kept for the process.
+
+Candidates: the device's kernels that support the layer, and for weight-only layers the reference kernel, which
+for them is a plain dequantize-then-GEMM in fp32 (so where it wins, the result is the oracle's exactly). Layers
+with quantized activations have no float candidate: their reference sums integer products in float64, an oracle,
+never fast.
+
+`LLMEASYQUANT_KERNEL_CHOICE=first` turns the measurement off: the first supporting kernel in the registry's order,
+for every row count (reproducible across machines; the tests use it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 16, 128, 512)  # rows timed for each bucket; a call uses the smallest bucket at least its rows
+MODES = ("measured", "first")
+Timer = Callable[[Any, Any, torch.Tensor], float]
+_CHOSEN: dict[tuple, str] = {}
+
+
+def row_bucket(rows: int) -> int:
+    for bucket in ROW_BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return ROW_BUCKETS[-1]
+
+
+def mode() -> str:
+    chosen = os.environ.get("LLMEASYQUANT_KERNEL_CHOICE", "measured") or "measured"
+    if chosen not in MODES:
+        from llmeasyquant.errors import ConfigError
+
+        raise ConfigError(f"LLMEASYQUANT_KERNEL_CHOICE={chosen!r} is not one of {', '.join(MODES)}")
+    return chosen
+
+
+def _seconds(layer, kernel, x: torch.Tensor, repeats: int = 3) -> float:
+    """Median seconds of `kernel` on `layer` for input x, after one warm-up call (which also prepares it)."""
+    prepared = layer.prepared_for(kernel)
+    kernel.run(layer, x, prepared)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel.run(layer, x, prepared)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def choose(layer, candidates: list[Any], rows: int, timer: Timer | None = None) -> Any:
+    """The fastest of `candidates` for `layer` at `rows` rows, measured on first use of the key and cached."""
+    if len(candidates) == 1:
+        return candidates[0]
+    bucket = row_bucket(rows)
+    key = (layer.qweight.device.type, layer.scheme, layer.in_features, layer.out_features, bucket,
+           tuple(k.name for k in candidates), torch.get_num_threads())
+    if key not in _CHOSEN:
+        timer = timer or _seconds
+        x = torch.randn(bucket, layer.in_features, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            times = {k.name: timer(layer, k, x.to(layer.qweight.device)) for k in candidates}
+        _CHOSEN[key] = min(times, key=times.get)
+        log.info("kernel for %s %dx%d at %d rows: %s (%s)", layer.scheme.name, layer.in_features,
+                 layer.out_features, bucket, _CHOSEN[key],
+                 ", ".join(f"{name} {1e3 * s:.3f} ms" for name, s in times.items()))
+    chosen = _CHOSEN[key]
+    return next(k for k in candidates if k.name == chosen)
+
+
+def forget_choices() -> None:
+    """Measure again on next use (after the machine or its load changed)."""
+    _CHOSEN.clear()
