@@ -11,9 +11,10 @@ model too ("fp32 (lean)"), and one quantized model also on transformers' loop, s
 the quantization gains show apart. Beside each:
 the bytes of weights a decoded token reads, the machine's read bandwidth and the decode speed it allows.
 Accuracy: perplexity on the first --max-windows 512-token windows with the kernels the registry measured fastest,
-with the integer operators at every row count, and with the reference kernel forced, to show what speed changes. llama.cpp (llama-cpp-python, when installed) runs
-the bundled Q4_1 file and a Q8_0 file exported from our RTN W8 g32 checkpoint, timed the same way (prefill = one
-eval of the prompt; decode = one eval per token, greedy on its logits).
+with the integer operators at every row count, and with the reference kernel forced, to show what speed changes.
+llama.cpp (llama-cpp-python, when installed) runs the bundled Q4_1 file and a Q8_0 file exported from our RTN W8
+g32 checkpoint, timed the same way (prefill = one eval of the prompt; decode = one eval per token, greedy on its
+logits).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from transformers import (
 )
 
 import llmeasyquant as lq
+from llmeasyquant import LeanDecoder
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.runtime.decoder import LeanDecoder
 
 SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=256)
@@ -93,6 +93,8 @@ def test_greedy_tokens_equal_transformers_generate():
     decoder = LeanDecoder(model, 28)
     assert torch.equal(decoder.generate(ids, 12), expected)
     assert torch.equal(decoder.generate(ids, 12), expected)  # generate() starts over in the same cache
+    with pytest.raises(ValueError, match="new_tokens"):
+        decoder.generate(ids, 0)
 
 
 def test_prefill_in_chunks_equals_one_prefill():

@@ -24,6 +24,7 @@ from llmeasyquant.nn.kv_cache import KVCacheSpec, KVQuantConfig, QuantizedKVCach
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan, Rule
 from llmeasyquant.runs import compare, evaluate
+from llmeasyquant.runtime.decoder import LeanDecoder
 from llmeasyquant.scheme import (
     W4A8_G128,
     W4A16_G64,
@@ -58,6 +59,7 @@ __all__ = [
     "KVCacheSpec",
     "KVQuantConfig",
     "LLMEasyQuantError",
+    "LeanDecoder",
     "MixedPrecisionSearch",
     "ModelLoadError",
     "OutputExistsError",

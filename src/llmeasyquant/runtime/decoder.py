@@ -33,7 +33,7 @@ class _Norm:
 
     @classmethod
     def of(cls, module: nn.Module) -> _Norm:
-        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", None)
+        eps = next((getattr(module, name) for name in ("variance_epsilon", "eps") if hasattr(module, name)), None)
         if eps is None:
             raise ConfigError(f"{type(module).__name__} has no epsilon the lean decoder can read")
         return cls(module.weight, float(eps))
@@ -146,6 +146,8 @@ class LeanDecoder:
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """Greedy continuation of ids [P] or [1, P]: the `new_tokens` ids chosen, [new_tokens]."""
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
         self.reset()
         token = self.prefill(ids).argmax()
         chosen = [token]
