@@ -2,13 +2,15 @@
 
     python benchmarks/kernel_speed.py [--out benchmarks/results/kernel_speed.json]
 
-Times are medians of repeated calls in one process; ratios (fp32 time / kernel time) are what to compare. Also
+Times are medians of repeated calls in one process; ratios (fp32 time / kernel time) are what to compare. Each
+scheme is timed with the kernel the registry measured fastest for that row count and with its integer kernel. Also
 times the PyTorch weight-only operators with fp32 activations, to show why our kernels feed them bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -49,10 +51,17 @@ def main() -> int:
             for name in SCHEMES:
                 layer = QuantLinear.from_weight(weight, None, parse_scheme(name))
                 ms = median_ms(lambda x=x, layer=layer: layer(x))
-                rows.append({"in": in_f, "out": out_f, "tokens": tokens, "scheme": name,
-                             "kernel": layer.kernel().name, "ms": ms, "fp32_ms": fp32, "speedup": fp32 / ms})
-                print(f"{in_f:5d}x{out_f:<5d} M={tokens:<4d} {name:16s} {layer.kernel().name:20s} "
-                      f"{ms:8.3f} ms  fp32 {fp32:8.3f} ms  x{fp32 / ms:5.2f}")
+                chosen = layer.kernel(tokens).name
+                os.environ["LLMEASYQUANT_KERNEL_CHOICE"] = "first"  # the integer kernel, whatever was measured
+                layer.forget_kernel()
+                integer_ms = median_ms(lambda x=x, layer=layer: layer(x))
+                integer = layer.kernel(tokens).name
+                del os.environ["LLMEASYQUANT_KERNEL_CHOICE"]
+                rows.append({"in": in_f, "out": out_f, "tokens": tokens, "scheme": name, "kernel": chosen, "ms": ms,
+                             "fp32_ms": fp32, "speedup": fp32 / ms, "integer_kernel": integer,
+                             "integer_kernel_ms": integer_ms, "integer_kernel_speedup": fp32 / integer_ms})
+                print(f"{in_f:5d}x{out_f:<5d} M={tokens:<4d} {name:16s} {chosen:20s} {ms:8.3f} ms  fp32 {fp32:8.3f} "
+                      f"ms  x{fp32 / ms:5.2f}  ({integer}: x{fp32 / integer_ms:5.2f})")
             codes = torch.randint(-127, 127, (out_f, in_f), dtype=torch.int8)
             ones = torch.ones(out_f)
             fp32_act = median_ms(lambda x=x, c=codes, s=ones: torch.ops.aten._weight_int8pack_mm(x, c, s), 5)

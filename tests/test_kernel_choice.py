@@ -59,6 +59,22 @@ def test_choice_per_row_bucket_measured_once_per_shape(monkeypatch):
     assert "kernel by rows=(1: cpu_int8pack_w8a16, 16: cpu_int8pack_w8a16, 512: reference)" in repr(first)
 
 
+def test_choice_is_per_thread_count(monkeypatch):
+    """A layer keeps its choice per thread count: one thread may favour another kernel than two."""
+    monkeypatch.setattr(choice, "_seconds", lambda target, kernel, x: {
+        INT8PACK: 1.0 if torch.get_num_threads() == 1 else 3.0, REFERENCE: 2.0}[kernel.name])
+    target = layer("w8a16")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert target.kernel(1).name == INT8PACK
+        torch.set_num_threads(2)
+        assert target.kernel(1).name == REFERENCE
+        assert target.chosen_kernels() == {1: REFERENCE}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_real_measurement_picks_a_candidate_and_keeps_results():
     target = layer("w8a16")
     for rows in (1, 200):

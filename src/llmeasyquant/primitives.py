@@ -94,6 +94,8 @@ def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Gra
 
 def expand_groups(params: torch.Tensor, width: int, rows: int, cols: int) -> torch.Tensor:
     """[rows or 1, groups] -> [rows, cols], each group's value repeated over its columns."""
+    if params.shape[1] == 1:  # one group per row: a broadcast view, no [rows, cols] copy to fill
+        return params.expand(rows, cols)
     return params.repeat_interleave(width, dim=1)[:, :cols].expand(rows, cols)
 
 

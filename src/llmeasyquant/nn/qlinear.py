@@ -101,7 +101,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_range", torch.full((2,), float("nan")) if online else None)
         self.observing = False  # True while static input ranges are being measured: scales come from x itself
         self.kernel_name: str | None = None  # force one kernel (tests, benchmarks); None = registry's choice
-        self._kernels: dict[int, Any] = {}  # row bucket (kernels/choice.py) -> the kernel that runs it
+        self._kernels: dict[tuple[int, int], Any] = {}  # (row bucket, threads) -> the kernel chosen for it
         self._prepared: dict[str, Any] = {}  # kernel name -> what it prepared from the buffers
         self.shared: tuple[Any, int] | None = None  # (nn.fused.SharedInputCall, my index) when fused
         self.profile_name = "linear"  # the name of this layer's profiler scope (eval/speed.py sets it)
@@ -218,18 +218,19 @@ class QuantLinear(nn.Module):
 
     def kernel(self, rows: int = 1) -> Any:
         """The kernel that runs inputs of `rows` rows (chosen on first use of its row bucket), prepared."""
-        bucket = row_bucket(rows)
-        kernel = self._kernels.get(bucket)
+        key = (row_bucket(rows), torch.get_num_threads())  # the fastest kernel depends on both
+        kernel = self._kernels.get(key)
         if kernel is None:
             from llmeasyquant.kernels import select
 
-            kernel = self._kernels[bucket] = select(self, rows)
+            kernel = self._kernels[key] = select(self, rows)
             self.prepared_for(kernel)
         return kernel
 
     def chosen_kernels(self) -> dict[int, str]:
-        """Row bucket -> name of the kernel chosen for it, for the buckets used so far."""
-        return {rows: kernel.name for rows, kernel in sorted(self._kernels.items())}
+        """Row bucket -> name of the kernel chosen for it at the current thread count, for the buckets used so far."""
+        threads = torch.get_num_threads()
+        return {rows: kernel.name for (rows, at), kernel in sorted(self._kernels.items()) if at == threads}
 
     def prepared_for(self, kernel: Any) -> Any:
         """What `kernel` prepares from the buffers (repacked weights, scales), made once and kept."""
