@@ -102,3 +102,22 @@ def test_cli_bench_checkpoint_against_its_source(llama_folder, tmp_path, capsys)
     assert main(["--quiet", "bench", str(out), "--no-breakdown", "--plot", str(tmp_path / "x.png")]) == 2
     assert "--no-breakdown" in capsys.readouterr().err
     assert main(["--quiet", "bench", str(tmp_path / "missing")]) == 2
+
+
+def test_auto_runtime_falls_back_where_there_is_no_lean_loop(tiny_gpt2, tiny_llama):
+    """The default runs GPT-2 (no lean-loop map in the arch table) on transformers' loop, llama on the lean one;
+    asking for the lean loop on GPT-2 is an error that names the way out."""
+    from llmeasyquant.errors import ConfigError
+
+    gpt2 = lq.quantize(tiny_gpt2, lq.RTN(), lq.W8A16, progress=False)
+    llama = lq.quantize(tiny_llama, lq.RTN(), lq.W8A16, progress=False)
+    prompt = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    config = BenchConfig(prompt_tokens=12, new_tokens=3, prefill_tokens=24, repeats=1, threads=(1,), breakdown=False)
+    rows = bench({"gpt2": gpt2, "llama": llama}, prompt, config, progress=False)
+    assert [(r["model"], r["runtime"]) for r in rows] == [("gpt2", "transformers"), ("llama", "lean")]
+    lean = BenchConfig(prompt_tokens=12, new_tokens=3, prefill_tokens=24, repeats=1, threads=(1,), runtime="lean")
+    with pytest.raises(ConfigError, match="--runtime transformers"):
+        bench({"gpt2": gpt2}, prompt, lean, progress=False)
+    with pytest.raises(ValueError, match="unknown runtime"):
+        BenchConfig(runtime="fast")
+

@@ -26,10 +26,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
     b.add_argument("--text", type=Path, help="take the prompt from this text file (default: seeded random tokens)")
     b.add_argument("--no-breakdown", action="store_true", help="skip the profiled latency breakdown")
-    b.add_argument("--runtime", choices=RUNTIMES, default="lean", help="decode loop for the measured model: 'lean' "
-                   "(static KV cache, short operator path; llama-like families) or 'transformers' (its own forward). "
-                   "The float baseline runs on transformers, and with --runtime lean also on the lean loop, so the "
-                   "gain of the runtime and of the quantization show apart (default lean)")
+    b.add_argument("--runtime", choices=RUNTIMES, default="auto", help="decode loop for the measured model: 'lean' "
+                   "(static KV cache, short operator path; llama-like families), 'transformers' (its own forward) or "
+                   "'auto' (lean where the family has it, else transformers; the default). The float baseline runs "
+                   "on transformers and, when the measured model runs lean, on the lean loop too, so the gain of "
+                   "the loop and of the quantization show apart")
     b.add_argument("--no-fuse", action="store_true", help="run q/k/v and gate/up as separate GEMMs (default: "
                    "layers that read one input run as one GEMM; results are the same)")
     b.add_argument("--seed", type=int, default=0)
@@ -73,15 +74,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
         model, tokenizer = load_model(args.model)
         baseline_spec = args.baseline
     fused = 0 if args.no_fuse else fuse_shared_inputs(model)
+    from llmeasyquant.eval.speed import resolve_runtime
+
+    runtime = resolve_runtime(model, args.runtime)
     models = {str(args.model): model.eval()}
-    runtimes = {str(args.model): args.runtime}
+    runtimes = {str(args.model): runtime}
     if baseline_spec and baseline_spec.lower() != "none":
         baseline, base_tokenizer = load_model(baseline_spec)
         float_models = {f"{baseline_spec} (float)": baseline.eval()}
         runtimes[f"{baseline_spec} (float)"] = "transformers"
-        if args.runtime != "transformers":
-            float_models[f"{baseline_spec} (float, {args.runtime})"] = baseline
-            runtimes[f"{baseline_spec} (float, {args.runtime})"] = args.runtime
+        if runtime != "transformers":
+            float_models[f"{baseline_spec} (float, {runtime})"] = baseline
+            runtimes[f"{baseline_spec} (float, {runtime})"] = runtime
         models = float_models | models
         tokenizer = tokenizer or base_tokenizer
     elif args.baseline is None and is_checkpoint(args.model):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from llmeasyquant.eval.speed import RUNTIMES, generation_speed, prefill_speed, profile_decode
+from llmeasyquant.eval.speed import RUNTIMES, generation_speed, prefill_speed, profile_decode, resolve_runtime
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class BenchConfig:
     repeats: int = 3
     threads: tuple[int, ...] = ()  # () = torch's current setting only
     breakdown: bool = True
-    runtime: str = "lean"  # for every model but the baseline, which runs on transformers (eval/speed.py RUNTIMES)
+    runtime: str = "auto"  # for every model but the baseline, which runs on transformers (eval/speed.py RUNTIMES)
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "prefill_tokens", "repeats"):
@@ -102,8 +102,8 @@ def bench(models: dict[str, nn.Module], prompt: torch.Tensor, config: BenchConfi
 
     `prompt` [1, ≥ max(prompt_tokens, prefill_tokens)] token ids. Each model runs on `runtimes[name]` where given,
     else the baseline on transformers and the others on `config.runtime`."""
-    runtimes = {name: (runtimes or {}).get(name, "transformers" if name == baseline else config.runtime)
-                for name in models}
+    runtimes = {name: resolve_runtime(model, (runtimes or {}).get(
+        name, "transformers" if name == baseline else config.runtime)) for name, model in models.items()}
     needed = max(config.prompt_tokens, config.prefill_tokens)
     if prompt.shape[-1] < needed:
         raise ValueError(f"the prompt has {prompt.shape[-1]} tokens; bench needs {needed}")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS
+from llmeasyquant.models.arch import arch_for
 from llmeasyquant.runtime.decoder import LeanDecoder
 
 GEMM_OPS = frozenset({
@@ -26,7 +27,16 @@ GEMM_OPS = frozenset({
 SCOPES = {"load": LOAD_WEIGHTS, "quant": QUANTIZE_ACTIVATIONS}
 
 
-RUNTIMES = ("lean", "transformers")
+RUNTIMES = ("auto", "lean", "transformers")
+
+
+def resolve_runtime(model: nn.Module, runtime: str) -> str:
+    """"auto" -> "lean" where the model's family has a lean-loop map in the arch table, else "transformers"."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    if runtime != "auto":
+        return runtime
+    return "lean" if arch_for(model).decoder is not None else "transformers"
 
 
 def _fill_cache(model: nn.Module, prompt: torch.Tensor) -> object:
@@ -39,13 +49,12 @@ def _fill_cache(model: nn.Module, prompt: torch.Tensor) -> object:
 
 
 class Greedy:
-    """Greedy batch-1 generation on one runtime: "transformers" (the model's own forward and cache) or "lean"
-    (runtime/decoder.py: a static cache and a short operator path). Built before timing starts, so that only
-    the prefill and the steps are timed."""
+    """Greedy batch-1 generation on one runtime: "transformers" (the model's own forward and cache), "lean"
+    (runtime/decoder.py: a static cache and a short operator path) or "auto" (lean where it applies). Built
+    before timing starts, so that only the prefill and the steps are timed."""
 
     def __init__(self, model: nn.Module, runtime: str, max_tokens: int) -> None:
-        if runtime not in RUNTIMES:
-            raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+        runtime = resolve_runtime(model, runtime)
         self.model, self.runtime = model, runtime
         self.decoder = LeanDecoder(model, max_tokens) if runtime == "lean" else None
         self.past: object = None
