@@ -27,30 +27,36 @@ from llmeasyquant.nn.kv_cache import KVQuantConfig
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 # name -> (cache options, calibrated key ranges?)
+THREE = {"key_bits": 3, "value_bits": 3}
 CONFIGS: dict[str, tuple[dict, bool]] = {
     "k8": ({"key_bits": 8, "value_bits": 8}, True),
     "k4": ({}, True),
-    "k3": ({"key_bits": 3, "value_bits": 3}, True),
+    "k3": (THREE, True),
     "k2": ({"key_bits": 2, "value_bits": 2}, True),
+    # 3 bits with finer key blocks and three value outliers per vector: still below the 4-bit cache's memory
+    "k3-b16-o3": (THREE | {"key_block": 16, "outliers": 0.047}, True),
     "k4-c2": ({"key_channels": 2}, True),
-    "k3-c2": ({"key_bits": 3, "value_bits": 3, "key_channels": 2}, True),
     "k4-nf": ({"levels": "nf"}, True),
-    "k3-nf": ({"key_bits": 3, "value_bits": 3, "levels": "nf"}, True),
+    "k3-nf": (THREE | {"levels": "nf"}, True),
     "k2-nf": ({"key_bits": 2, "value_bits": 2, "levels": "nf"}, True),
     "k4-online": ({}, False),
-    "k3-online": ({"key_bits": 3, "value_bits": 3}, False),
+    "k3-online": (THREE, False),
     # ablations: each removes one idea from k4 / k3
+    "k4-b0": ({"key_block": 0}, True),
+    "k4-b16": ({"key_block": 16}, True),
+    "k4-b64": ({"key_block": 64}, True),
     "k4-token-keys": ({"key_axis": "token"}, True),
     "k4-post-rope": ({"pre_rope": False}, True),
     "k4-no-outliers": ({"outliers": 0.0}, True),
     "k4-no-sinks": ({"sinks": 0}, True),
     "k4-plain": ({"key_axis": "token", "pre_rope": False, "outliers": 0.0, "sinks": 0}, True),
-    "k3-token-keys": ({"key_bits": 3, "value_bits": 3, "key_axis": "token"}, True),
-    "k3-post-rope": ({"key_bits": 3, "value_bits": 3, "pre_rope": False}, True),
-    "k3-no-outliers": ({"key_bits": 3, "value_bits": 3, "outliers": 0.0}, True),
-    "k3-no-sinks": ({"key_bits": 3, "value_bits": 3, "sinks": 0}, True),
-    "k3-plain": ({"key_bits": 3, "value_bits": 3, "key_axis": "token", "pre_rope": False, "outliers": 0.0,
-                  "sinks": 0}, True),
+    "k4-b0-online": ({"key_block": 0}, False),
+    "k3-b0": (THREE | {"key_block": 0}, True),
+    "k3-token-keys": (THREE | {"key_axis": "token"}, True),
+    "k3-post-rope": (THREE | {"pre_rope": False}, True),
+    "k3-no-outliers": (THREE | {"outliers": 0.0}, True),
+    "k3-no-sinks": (THREE | {"sinks": 0}, True),
+    "k3-plain": (THREE | {"key_axis": "token", "pre_rope": False, "outliers": 0.0, "sinks": 0}, True),
 }
 PROMPTS = (
     "The history of the city begins in",
@@ -108,10 +114,16 @@ def main() -> int:
     model, tokenizer = lq.load_model("smollm2-135m")
     text = read_text_file(DATA / "wikitext-2-raw/wiki.test.raw")
     calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), model, tokenizer, args.calib_samples, 512, 0)
-    specs = {}
+    specs, ranges = {}, {}
     for name in names:
         options, calibrated = CONFIGS[name]
-        specs[name] = SimQuant(KVQuantConfig(**options)).calibrate(model, calib if calibrated else None)
+        config = KVQuantConfig(**options)
+        # Key ranges depend on these options only (not on the bit widths): calibrate once per distinct set.
+        share = 0.0 if config.key_blocks else config.outliers
+        key = (calibrated, config.sinks, config.pre_rope, config.key_axis, config.key_channels, share)
+        if key not in ranges:
+            ranges[key] = SimQuant(config).calibrate(model, calib if calibrated else None).key_ranges
+        specs[name] = lq.KVCacheSpec(config, ranges[key])
     rows = []
     for seqlen in [int(s) for s in args.seqlen.split(",")]:
         windows = make_windows(tokenizer, text, seqlen, args.max_windows)

@@ -183,10 +183,11 @@ def test_quantize_with_a_quantized_kv_cache_then_eval_uses_it(capsys, llama_fold
                                                                calib_text: Path, tmp_path: Path) -> None:
     out = tmp_path / "kv"
     code, stdout, _ = run(capsys, "quantize", llama_folder, "--bits", "8", "--kv-bits", "4", "--kv-key-channels",
-                          "1", "--calib", calib_text, *KV_CALIB, "--out", out)
-    assert code == 0 and "KV cache k4v4-o0.01-s4" in stdout
+                          "1", "--kv-key-block", "16", "--calib", calib_text, *KV_CALIB, "--out", out)
+    assert code == 0 and "KV cache k4v4-o0.01-s8-b16" in stdout
     qconfig = json.loads((out / QCONFIG_FILE).read_text())
     assert qconfig["kv_cache"]["calibrated"] is True and qconfig["kv_cache"]["config"]["key_channels"] == 1
+    assert qconfig["kv_cache"]["config"]["key_block"] == 16
     assert (out / "kv_cache.safetensors").is_file()
     code, with_kv, _ = run(capsys, "eval", out, "--text", wiki_text, *EVAL_ARGS, "--json", tmp_path / "a.json")
     assert code == 0 and "KV cache k4v4" in with_kv
@@ -194,14 +195,14 @@ def test_quantize_with_a_quantized_kv_cache_then_eval_uses_it(capsys, llama_fold
                            "--json", tmp_path / "b.json")
     assert code == 0 and "KV cache" not in without
     a, b = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
-    assert a["metrics"]["kv_cache"] == "k4v4-o0.01-s4" and a["protocol"]["kv_cache"]["calibrated"] is True
+    assert a["metrics"]["kv_cache"] == "k4v4-o0.01-s8-b16" and a["protocol"]["kv_cache"]["calibrated"] is True
     assert a["metrics"]["kld"] > b["metrics"]["kld"]  # the quantized cache costs something on top of the weights
 
 
 def test_eval_a_plain_model_with_an_online_kv_cache(capsys, llama_folder: Path, wiki_text: Path) -> None:
     code, stdout, _ = run(capsys, "eval", llama_folder, "--text", wiki_text, *EVAL_ARGS, "--kv-bits", "8",
-                          "--kv-sinks", "2", "--kv-outliers", "0")
-    assert code == 0 and "KV cache k8v8-s2" in stdout
+                          "--kv-sinks", "2", "--kv-outliers", "0", "--kv-key-block", "0")
+    assert code == 0 and "KV cache k8v8-s2\n" in stdout
 
 
 def test_compare_with_a_kv_cache(capsys, llama_folder: Path, wiki_text: Path, calib_text: Path,
@@ -209,9 +210,9 @@ def test_compare_with_a_kv_cache(capsys, llama_folder: Path, wiki_text: Path, ca
     record_path = tmp_path / "c.json"
     code, stdout, _ = run(capsys, "compare", llama_folder, "--schemes", "w8a16", "--text", wiki_text, *EVAL_ARGS,
                           "--kv-bits", "3", "--calib", calib_text, *KV_CALIB, "--json", record_path)
-    assert code == 0 and "KV cache k3v3-o0.01-s4" in stdout
+    assert code == 0 and "KV cache k3v3-o0.01-s8-b32" in stdout
     fp32, w8 = (r["metrics"] for r in json.loads(record_path.read_text()))
-    assert "kv_cache" not in fp32 and w8["kv_cache"] == "k3v3-o0.01-s4" and w8["kld"] > 0
+    assert "kv_cache" not in fp32 and w8["kv_cache"] == "k3v3-o0.01-s8-b32" and w8["kld"] > 0
 
 
 @pytest.mark.parametrize("args, needles", [

@@ -65,7 +65,8 @@ def test_round_trip_error_is_within_half_a_step(bits: int) -> None:
     """Keys on a calibrated range [-4, 4] and per-token values: max error within half a step (plus fp16 slack)."""
     keys, values = kv(64)
     keys = keys.clamp(-4, 4)
-    layer = QuantizedKVLayer(KVQuantConfig(bits, bits, outliers=0.0, sinks=0, key_margin=1.0), flat_ranges())
+    layer = QuantizedKVLayer(KVQuantConfig(bits, bits, outliers=0.0, sinks=0, key_margin=1.0, key_block=0),
+                             flat_ranges())
     k_back, v_back = layer.update(keys, values)
     step_k = 8 / (2**bits - 1)
     assert (k_back - keys).abs().max() <= step_k / 2 * 1.01
@@ -86,8 +87,8 @@ def test_round_trip_error_shrinks_with_bits() -> None:
 def test_eight_bit_keys_get_headroom_beyond_the_calibrated_range() -> None:
     keys, values = kv(8)
     keys = keys.clamp(-1, 1) * 1.8  # beyond the calibrated [-1, 1]
-    eight = QuantizedKVLayer(KVQuantConfig(8, 8, outliers=0.0, sinks=0), flat_ranges(-1, 1))
-    four = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0), flat_ranges(-1, 1))
+    eight = QuantizedKVLayer(KVQuantConfig(8, 8, outliers=0.0, sinks=0, key_block=0), flat_ranges(-1, 1))
+    four = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0, key_block=0), flat_ranges(-1, 1))
     assert (eight.update(keys, values)[0] - keys).abs().max() < 2 / 255  # 2x range: a step of 4/255, no clamping
     assert four.update(keys, values)[0].abs().max() <= 1.01  # 4 bits: coded on the calibrated range itself
     with pytest.raises(ConfigError, match="key_margin"):
@@ -108,34 +109,135 @@ def test_outliers_are_kept_exactly_and_tighten_the_dense_range() -> None:
     assert err_with < err_without / 5
 
 
+def test_value_outliers_are_the_ones_that_narrow_the_range_most() -> None:
+    values = torch.zeros(1, HEADS, 1, DIM)
+    values[..., :4] = torch.tensor([1.0, 0.95, -0.9, -0.1])  # the top is furthest out, the bottom stands apart
+    layer = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.05, sinks=0, key_block=0), flat_ranges())
+    layer.update(torch.zeros_like(values), values)
+    assert layer.value_store.tensors["outlier_index"].flatten().tolist() == [2] * HEADS  # span 1.1, not 1.85
+    two = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.1, sinks=0, key_block=0), flat_ranges())
+    two.update(torch.zeros_like(values), values)
+    assert two.value_store.tensors["outlier_index"].sort(dim=-1).values.flatten().tolist() == [0, 1] * HEADS
+
+
 def test_key_outliers_beyond_the_calibrated_range_survive() -> None:
     keys, values = kv(16)
     keys = keys.clamp(-1, 1)
     keys[0, 1, 5, 7] = 30.0
-    clamped = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0), flat_ranges(-1, 1))
-    sparse = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.05, sinks=0), flat_ranges(-1, 1))
+    clamped = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0, key_block=0), flat_ranges(-1, 1))
+    sparse = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.05, sinks=0, key_block=0), flat_ranges(-1, 1))
     assert clamped.update(keys, values)[0][0, 1, 5, 7] == pytest.approx(1.0, abs=1e-2)
     assert sparse.update(keys, values)[0][0, 1, 5, 7] == 30.0
 
 
+def drifting_keys(blocks: int, size: int, seed: int = 0) -> torch.Tensor:
+    """Keys whose channels drift from block to block: each block spans a small part of the whole range."""
+    g = gen(seed)
+    centres = torch.randn(1, HEADS, blocks, 1, DIM, generator=g) * 3
+    noise = torch.randn(1, HEADS, blocks, size, DIM, generator=g) * 0.3
+    return (centres + noise).reshape(1, HEADS, blocks * size, DIM)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_key_blocks_code_each_block_on_its_own_range(bits: int) -> None:
+    keys = drifting_keys(4, 8)
+    lo, hi = keys.amin(dim=(0, 2)), keys.amax(dim=(0, 2))
+    ranges = (lo, hi, torch.zeros(HEADS, 0, dtype=torch.int64))
+    blocks = QuantizedKVLayer(KVQuantConfig(bits, 8, outliers=0.0, sinks=0, key_block=8), ranges)
+    whole = QuantizedKVLayer(KVQuantConfig(bits, 8, outliers=0.0, sinks=0, key_block=0, key_margin=1.0), ranges)
+    k_blocks, k_whole = blocks.update(keys, keys)[0], whole.update(keys, keys)[0]
+    # Within half a step of the block's range, its ends rounded outwards to 1/255 of the calibrated range.
+    per_block = keys.reshape(1, HEADS, 4, 8, DIM)
+    span = per_block.amax(dim=3) - per_block.amin(dim=3) + 2 * (hi - lo)[:, None] / 255
+    bound = (span / (2**bits - 1) / 2 * 1.01 + 1e-6).repeat_interleave(8, dim=2)
+    assert bool(((k_blocks - keys).abs() <= bound).all())
+    assert (k_blocks - keys).pow(2).mean() < (k_whole - keys).pow(2).mean() / 4
+    sizes = blocks.nbytes()
+    # Two uint8 range ends per (head, block, channel) for the keys; fp16 lo and scale per (head, token) for the values.
+    assert sizes["scales"] == 2 * HEADS * 4 * DIM + 4 * HEADS * 32
+    assert sizes["residual"] == 0 and sizes["outliers"] == 0
+
+
+def test_key_blocks_align_to_positions_and_decode_token_by_token_as_in_prefill() -> None:
+    keys, values = kv(45)
+    config = KVQuantConfig(4, 4, sinks=3, key_block=8)
+    prefill = QuantizedKVLayer(config, flat_ranges(-2, 2))
+    k_prefill, _ = prefill.update(keys, values)
+    stepwise = QuantizedKVLayer(config, flat_ranges(-2, 2))
+    for t in range(45):
+        k_step, _ = stepwise.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])
+    assert torch.equal(k_step, k_prefill)
+    # Blocks cover positions 3-7, 8-15, ..., 32-39; the sinks (0-2) and the incomplete block (40-44) stay exact.
+    assert prefill.key_blocks.coded == 37 and prefill.nbytes()["residual"] == 5 * HEADS * DIM * 4
+    assert torch.equal(k_prefill[..., :3, :], keys[..., :3, :].half().float())
+    assert torch.allclose(k_prefill[..., 40:, :], keys[..., 40:, :])
+    assert not torch.allclose(k_prefill[..., 3:40, :], keys[..., 3:40, :])
+
+
+def test_key_blocks_keep_values_beyond_the_calibrated_range_exactly() -> None:
+    keys, values = kv(32)
+    keys = keys.clamp(-1, 1)
+    keys[0, 1, 5, 7], keys[0, 0, 20, 2] = 30.0, -12.5
+    layer = QuantizedKVLayer(KVQuantConfig(4, 4, sinks=0, key_block=16), flat_ranges(-1, 1))
+    back = layer.update(keys, values)[0]
+    assert back[0, 1, 5, 7] == 30.0 and back[0, 0, 20, 2] == -12.5
+    rest = (back - keys).abs()
+    rest[0, 1, 5, 7] = rest[0, 0, 20, 2] = 0
+    assert rest.max() <= 2 / 15 / 2 * 1.01  # the others: within half a step of [-1, 1] at most
+    assert layer.key_blocks.nbytes()["outliers"] == 2 * (8 + 2)  # a position (int64) and an fp16 value each
+    clamped = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0, key_block=16), flat_ranges(-1, 1))
+    back = clamped.update(keys, values)[0]
+    assert back[0, 1, 5, 7] == pytest.approx(1.0, abs=1e-2) and clamped.nbytes()["outliers"] == 0
+
+
+def test_key_blocks_follow_beam_reordering() -> None:
+    g = gen(3)
+    keys, values = torch.randn(2, HEADS, 20, DIM, generator=g), torch.randn(2, HEADS, 20, DIM, generator=g)
+    keys[1, 0, 4, 5], keys[0, 1, 9, 0] = 40.0, -40.0
+    layer = QuantizedKVLayer(KVQuantConfig(4, 4, sinks=0, key_block=8), flat_ranges())
+    before = layer.update(keys, values)[0]
+    beams = torch.tensor([1, 1, 0])
+    layer.reorder_cache(beams)
+    after = layer._keys()
+    assert torch.equal(after, before[beams])
+    assert after[0, 0, 4, 5] == 40.0 and after[2, 1, 9, 0] == -40.0
+
+
+def test_online_key_blocks_store_fp16_ranges_and_no_outliers() -> None:
+    keys = drifting_keys(2, 8)
+    layer = QuantizedKVLayer(KVQuantConfig(8, 8, outliers=0.0, sinks=0, key_block=8))
+    back = layer.update(keys, keys)[0]
+    assert (back - keys).abs().max() < 0.02
+    assert layer.key_blocks.tensors["range_lo"].dtype == torch.float16 and layer.nbytes()["outliers"] == 0
+
+
 def test_sinks_are_exact_and_only_the_first_tokens() -> None:
+    """Sinks are stored in 16 bits: exact for a 16-bit model, fp16-rounded for an fp32 one."""
     keys, values = kv(20)
+    keys16, values16 = keys.half().float(), values.half().float()
     layer = QuantizedKVLayer(KVQuantConfig(2, 2, sinks=3), flat_ranges())
     k_back, v_back = layer.update(keys[..., :2, :], values[..., :2, :])  # two sinks arrive first ...
-    assert torch.equal(k_back, keys[..., :2, :]) and torch.equal(v_back, values[..., :2, :])
+    assert torch.equal(k_back, keys16[..., :2, :]) and torch.equal(v_back, values16[..., :2, :])
     k_back, v_back = layer.update(keys[..., 2:, :], values[..., 2:, :])  # ... then the third, then the rest
-    assert torch.equal(k_back[..., :3, :], keys[..., :3, :]) and torch.equal(v_back[..., :3, :], values[..., :3, :])
+    assert torch.equal(k_back[..., :3, :], keys16[..., :3, :]) and torch.equal(v_back[..., :3, :],
+                                                                                values16[..., :3, :])
+    assert layer.nbytes()["sinks"] == 2 * 3 * HEADS * DIM * 2
+    bf16 = QuantizedKVLayer(KVQuantConfig(2, 2, sinks=3), flat_ranges())
+    k_back, _ = bf16.update(keys.bfloat16(), values.bfloat16())
+    assert k_back.dtype == torch.bfloat16 and torch.equal(k_back[..., :3, :], keys[..., :3, :].bfloat16())
     assert not torch.equal(v_back[..., 3:, :], values[..., 3:, :])
     assert layer.get_seq_length() == 20 and k_back.shape == keys.shape
 
 
 def test_kept_key_channels_are_exact() -> None:
     keys, values = kv(16)
-    layer = QuantizedKVLayer(KVQuantConfig(2, 2, sinks=0, outliers=0.0, key_channels=2), flat_ranges(kept=2))
-    k_back, _ = layer.update(keys * 3, values)
-    assert torch.equal(k_back[..., :2], (keys * 3)[..., :2].half().float())
-    assert not torch.equal(k_back[..., 2:], (keys * 3)[..., 2:])
-    assert layer.nbytes()["kept_channels"] == 2 * HEADS * 16 * 2
+    for block in (0, 8):
+        layer = QuantizedKVLayer(KVQuantConfig(2, 2, sinks=0, outliers=0.0, key_channels=2, key_block=block),
+                                 flat_ranges(kept=2))
+        k_back, _ = layer.update(keys * 3, values)
+        assert torch.equal(k_back[..., :2], (keys * 3)[..., :2].half().float())
+        assert not torch.equal(k_back[..., 2:], (keys * 3)[..., 2:])
+        assert layer.nbytes()["kept_channels"] == 2 * HEADS * 16 * 2
 
 
 def _rope(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,8 +268,8 @@ def test_keys_are_quantized_before_rope_and_rotated_after() -> None:
 
     lo, hi = pre.amin(dim=(0, 2)), pre.amax(dim=(0, 2))
     ranges = (lo, hi, torch.zeros(HEADS, 0, dtype=torch.int64))
-    before = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0), ranges, rope)
-    after = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0, pre_rope=False), ranges, rope)
+    before = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0, key_block=0), ranges, rope)
+    after = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0, pre_rope=False, key_block=0), ranges, rope)
     k_before, _ = before.update(post, post)
     k_after, _ = after.update(post, post)
     assert (k_before - post).abs().max() < 0.05
@@ -176,7 +278,7 @@ def test_keys_are_quantized_before_rope_and_rotated_after() -> None:
 
 def test_online_ranges_follow_the_keys_with_an_ema() -> None:
     keys, values = kv(4)
-    layer = QuantizedKVLayer(KVQuantConfig(8, 8, outliers=0.0, sinks=0, momentum=0.5, segment=2))
+    layer = QuantizedKVLayer(KVQuantConfig(8, 8, outliers=0.0, sinks=0, momentum=0.5, segment=2, key_block=0))
     layer.update(keys, values)
     assert len(layer.segments) == 2  # the 4 tokens split into segments of 2, each with a range snapshot
     big = torch.full((1, HEADS, 2, DIM), 10.0)
@@ -268,6 +370,8 @@ def test_gpt2_cannot_keep_key_channels(tiny_gpt2, random_ids) -> None:
     ({"momentum": 1.0}, "momentum"),
     ({"segment": 0}, "segment"),
     ({"key_channels": -2}, "key_channels"),
+    ({"key_block": -1}, "key_block"),
+    ({"key_block": 1.5}, "key_block"),
 ])
 def test_bad_options_are_named(options: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -135,7 +135,8 @@ def _simquant(args: argparse.Namespace):
     from llmeasyquant.nn.kv_cache import KVQuantConfig
 
     config = KVQuantConfig(key_bits=args.kv_bits, value_bits=args.kv_bits, outliers=args.kv_outliers,
-                           sinks=args.kv_sinks, key_channels=args.kv_key_channels, levels=args.kv_levels)
+                           sinks=args.kv_sinks, key_channels=args.kv_key_channels, levels=args.kv_levels,
+                           key_block=args.kv_key_block)
     if args.calib is None:
         log.info("no --calib text: the KV cache tracks key ranges online")
     return SimQuant(config)

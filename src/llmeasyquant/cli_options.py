@@ -59,8 +59,12 @@ def add_kv_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, help="quantize the KV cache (SimQuant): 2, 3, 4 or 8 bits for keys and "
                    "values; key ranges from --calib text, or tracked online without it")
     p.add_argument("--kv-outliers", type=float, default=0.01,
-                   help="share of each head vector kept apart in fp16 (default 0.01)")
-    p.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept in full precision (default 4)")
+                   help="share of each value vector (and of each key vector with --kv-key-block 0) kept apart in "
+                   "fp16 (default 0.01)")
+    p.add_argument("--kv-key-block", type=int, default=32,
+                   help="keys are coded per block of this many positions, each channel on the block's own range "
+                   "(default 32); 0 codes each key on arrival on the calibrated range, as KVQuant")
+    p.add_argument("--kv-sinks", type=int, default=8, help="first tokens kept unquantized, in 16 bits (default 8)")
     p.add_argument("--kv-key-channels", type=int, default=0,
                    help="per head, the most sensitive key channels (calibrated) kept in fp16 (default 0)")
     p.add_argument("--kv-levels", choices=("uniform", "nf"), default="uniform",

@@ -15,6 +15,7 @@ import numpy as np
 
 from llmeasyquant.errors import LLMEasyQuantError
 from llmeasyquant.export.common import require
+from llmeasyquant.primitives import MIN_SCALE
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -28,7 +29,6 @@ SCALE_SUFFIX = ".scale"
 ZERO_SUFFIX = ".zero_point"
 INPUT_SCALE_SUFFIX = ".input_scale"
 INPUT_ZERO_SUFFIX = ".input_zero"
-_MIN_SCALE = 2.0**-24  # the clamp of primitives.choose_qparams
 
 
 class OnnxExportError(LLMEasyQuantError):
@@ -122,7 +122,7 @@ def _dynamic_qparams(b: _Builder, x: ir.Value, act: ActQuant, at: ir.Node, prefi
     reduce = {"keepdims": 1 if act.per_token else 0}
     axes = [b.shared("last_axis", np.array([-1], np.int64))] if act.per_token else []
     zero_f = b.shared("zero_f32", np.array(0.0, np.float32))
-    eps = b.shared("min_scale", np.array(_MIN_SCALE, np.float32))
+    eps = b.shared("min_scale", np.array(MIN_SCALE, np.float32))
     if act.symmetric:
         absx = b.node(at, "Abs", [x], prefix + ".abs")
         absmax = b.node(at, "ReduceMax", [absx, *axes], prefix + ".absmax", **reduce)

@@ -1,9 +1,12 @@
 """SimQuant: KV-cache quantization in the style of KVQuant (Hooper et al. 2024).
 
 Calibration runs the model on a few calibration samples, undoes RoPE on the cached keys and takes, per layer,
-head and channel, the range that leaves the `outliers` share of values outside (those become the sparse part at
-run time). Values need no calibration: their ranges are per token. Without calibration data the cache tracks key
-ranges online (EMA). The result is a `KVCacheSpec`; `spec.new_cache(model)` gives the cache for `generate`.
+head and channel, the range of the keys: their extremes when keys are coded in blocks (each block then codes on its
+own range inside it), or, when each key is coded on arrival, the range that leaves the `outliers` share of values
+outside. Values beyond the range are the sparse part at run time. Values need no calibration: their ranges are
+per token. Without calibration data each key block stores its own range (or, coding keys on arrival, the cache
+tracks key ranges online with an EMA). The result is a `KVCacheSpec`; `spec.new_cache(model)` gives the cache for
+`generate`.
 """
 
 from __future__ import annotations
@@ -79,9 +82,12 @@ class SimQuant:
             for hook in hooks:
                 hook.remove()
         heads, dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
+        # Keys coded on arrival need a range that leaves the outlier share out; in blocks, each block finds its own
+        # range inside the calibrated one, and only what lies beyond everything calibration saw is an outlier.
+        share = 0.0 if self.config.key_blocks else self.config.outliers
         ranges: tuple[list, list, list] = ([], [], [])
         for i, chunks in enumerate(per_layer):
-            lo, hi = _channel_quantiles(torch.cat(chunks), self.config.outliers)
+            lo, hi = _channel_quantiles(torch.cat(chunks), share)
             lo, hi = lo.reshape(heads, dim), hi.reshape(heads, dim)
             kept = self._sensitive_channels(query_power.get(i), lo, hi, rotary is not None)
             for store, value in zip(ranges, (lo, hi, kept), strict=True):

@@ -1,12 +1,15 @@
 """QuantizedKVCache: a transformers Cache holding keys and values as packed low-bit codes, in the style of KVQuant.
 
-- Keys per channel, before rotary embedding: each (head, channel) has a fixed range, calibrated offline
-  (`KeyRanges`) or tracked online with an EMA observer; RoPE is undone on arrival and redone after dequantization,
-  because keys have fixed outlier channels that rotation would smear across pairs.
+- Keys per channel, before rotary embedding: RoPE is undone on arrival and redone after dequantization, because
+  keys have fixed outlier channels that rotation would smear across pairs. By default keys are coded in blocks of
+  `key_block` positions, each channel on the block's own range within the calibrated one (`kv_key_blocks.py`);
+  with `key_block=0` each key is coded on arrival on its (head, channel) range, calibrated offline (`KeyRanges`)
+  or tracked online with an EMA observer, as in KVQuant.
 - Values per token, with a dynamic range per (token, head).
 - Dense-and-sparse: the `outliers` share of each head vector that lies furthest out is kept apart in fp16 with
   its index; the dense rest is quantized on the tighter range.
-- Attention sinks: the first `sinks` tokens are kept in the model's precision.
+- Attention sinks: the first `sinks` tokens are kept unquantized, in 16 bits (the model's dtype when it has 16 bits,
+  fp16 otherwise: the precision of the fp16 cache the quantized one is measured against).
 
 Every update returns the dequantized keys and values, so the quantization error reaches attention: evaluation
 through this cache measures what a quantized cache costs.
@@ -24,8 +27,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.models.arch import arch_for, get_module
+from llmeasyquant.nn.kv_key_blocks import KeyBlocks
 from llmeasyquant.observers import EMARangeObserver
 from llmeasyquant.primitives import (
+    MIN_SCALE,
     normal_float_levels,
     pack_bits,
     range_dequantize,
@@ -36,7 +41,6 @@ from llmeasyquant.scheme import SUPPORTED_BITS
 
 KEY_AXES = ("channel", "token")
 LEVELS = ("uniform", "nf")
-_MIN_SCALE = 2.0**-24  # smallest positive fp16 value: a stored scale must not round to zero
 # How much wider than calibrated (or tracked) the key range is coded, by bit width, when the config gives no
 # `key_margin`. At 8 bits a step is so fine that headroom costs nothing, while clamping a prompt's keys that fall
 # outside the calibration data costs a lot (SmolLM2: max logit error 0.6-1.9 at 1x, 0.13-0.32 at 2x); at 4 bits
@@ -55,9 +59,10 @@ class KVQuantConfig:
     key_bits: int = 4
     value_bits: int = 4
     outliers: float = 0.01
-    sinks: int = 4
+    sinks: int = 8
     key_channels: int = 0  # per head, the calibrated most sensitive key channels, kept in fp16 for every token
-    key_margin: float | None = None  # key range widening around its centre; None: DEFAULT_KEY_MARGIN[key_bits]
+    key_block: int = 32  # keys coded per block of this many positions (0: each key on arrival)
+    key_margin: float | None = None  # key_block=0: range widening around its centre; None: DEFAULT_KEY_MARGIN
     key_axis: str = "channel"
     pre_rope: bool = True
     levels: str = "uniform"
@@ -83,8 +88,16 @@ class KVQuantConfig:
             raise ConfigError(f"key_channels must be a channel count of 0 or more, got {self.key_channels!r}")
         if self.key_margin is not None and not self.key_margin >= 1.0:
             raise ConfigError(f"key_margin widens the key range and must be 1 or more, got {self.key_margin}")
+        if isinstance(self.key_block, bool) or not isinstance(self.key_block, int) or self.key_block < 0:
+            raise ConfigError(f"key_block must be a position count of 0 or more (0 codes each key on arrival), "
+                              f"got {self.key_block!r}")
         if self.segment <= 0:
             raise ConfigError(f"the key-range segment must be a positive token count, got {self.segment}")
+
+    @property
+    def key_blocks(self) -> bool:
+        """Whether keys are coded in blocks of positions (per-channel keys and key_block > 0)."""
+        return self.key_block > 0 and self.key_axis == "channel"
 
     @property
     def margin(self) -> float:
@@ -99,7 +112,8 @@ class KVQuantConfig:
         bits = f"k{self.key_bits}v{self.value_bits}"
         extras = [f"o{self.outliers:g}" if self.outliers else "", f"s{self.sinks}" if self.sinks else "",
                   "" if self.key_axis == "channel" else "ktoken", "" if self.pre_rope else "postrope",
-                  "" if self.levels == "uniform" else self.levels]
+                  "" if self.levels == "uniform" else self.levels,
+                  f"b{self.key_block}" if self.key_blocks else ""]
         return "-".join([bits, *filter(None, extras)])
 
     def to_dict(self) -> dict:
@@ -181,8 +195,19 @@ def _range_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, margin: float =
     if margin != 1.0:
         centre, half = (hi + lo) / 2, (hi - lo) / 2 * margin
         lo, hi = centre - half, centre + half
-    scale = ((hi - lo) / (2**bits - 1)).clamp(min=_MIN_SCALE)
+    scale = ((hi - lo) / (2**bits - 1)).clamp(min=MIN_SCALE)
     return lo.half(), scale.half()
+
+
+def _range_shrinking(x: torch.Tensor, count: int) -> torch.Tensor:
+    """Per vector (last dim), the indices of the `count` values whose removal leaves the narrowest range: the a
+    smallest and the count - a largest, for the best a."""
+    ordered, order = x.sort(dim=-1)
+    n = x.shape[-1]
+    spans = torch.stack([ordered[..., n - 1 - (count - a)] - ordered[..., a] for a in range(count + 1)], dim=-1)
+    low = spans.argmin(dim=-1, keepdim=True)  # how many of them are taken from the bottom
+    j = torch.arange(count, device=x.device)
+    return order.gather(-1, torch.where(j < low, j, n - 1 - (j - low)))
 
 
 @dataclass
@@ -218,6 +243,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.segments: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.quantized = 0
         self.kept: torch.Tensor | None = None  # [1, heads, 1, n] key channels stored in fp16
+        self.key_blocks: KeyBlocks | None = None
         self.shape: tuple[int, int, int] | None = None  # batch, heads, head_dim
 
     # transformers' layer protocol ----------------------------------------------------------------------------
@@ -237,6 +263,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.shape = (batch, heads, dim)
         self.levels = {bits: normal_float_levels(bits).to(self.device) if self.config.levels == "nf" else None
                        for bits in {self.config.key_bits, self.config.value_bits}}
+        if self.config.key_blocks:
+            reference = None if self.key_range is None else tuple(r.to(self.device).float()
+                                                                  for r in self.key_range[:2])
+            self.key_blocks = KeyBlocks(self.config.key_bits, self.config.key_block, self.config.sinks,
+                                        self.levels[self.config.key_bits], reference, self.kept,
+                                        sparse=self.config.outliers > 0)
+            self.segments = []
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -247,13 +280,15 @@ class QuantizedKVLayer(CacheLayerMixin):
         start = self.length
         n_sink = min(max(self.config.sinks - start, 0), tokens)
         if n_sink:
-            self.sinks.append(keys=key_states[..., :n_sink, :], values=value_states[..., :n_sink, :])
+            sink_dtype = self.dtype if self.dtype.itemsize <= 2 else torch.float16
+            self.sinks.append(keys=key_states[..., :n_sink, :].to(sink_dtype),
+                              values=value_states[..., :n_sink, :].to(sink_dtype))
         if tokens > n_sink:
             keys = key_states[..., n_sink:, :].float()
             if self.rope is not None:
                 keys = undo_rope(keys, *self.rope(start + n_sink, start + tokens))
             pieces: tuple[torch.Tensor, ...] = (keys,)
-            if self.key_range is None and self.config.key_axis == "channel":
+            if self.key_range is None and self.config.key_axis == "channel" and not self.config.key_blocks:
                 # Online ranges: split at segment boundaries so that each segment gets its own range snapshot.
                 first = self.config.segment - (self.quantized - self.segments[-1][0]) if self.segments else 0
                 pieces = keys.tensor_split([c for c in range(first, keys.shape[-2], self.config.segment) if c > 0],
@@ -280,9 +315,14 @@ class QuantizedKVLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for store in (self.sinks, self.key_store, self.value_store):
             store.tensors = {k: t.index_select(0, beam_idx.to(t.device)) for k, t in store.tensors.items()}
+        if self.key_blocks is not None:
+            self.key_blocks.reorder(beam_idx)
 
     # storage -------------------------------------------------------------------------------------------------
     def _store_keys(self, keys: torch.Tensor) -> None:
+        if self.key_blocks is not None:
+            self.key_blocks.append(keys)
+            return
         if self.config.key_axis == "token":
             self._store_tokens(self.key_store, keys, self.config.key_bits)
             return
@@ -298,7 +338,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             score = (keys - (lo + scale * (2**bits - 1) / 2)).abs() / scale
             if self.kept is not None:  # stored exactly already
                 score = score.scatter(-1, self._kept_index(score), -torch.inf)
-            parts |= self._outliers(keys, score, count)
+            parts |= self._outliers(keys, score.topk(count, dim=-1).indices)
         self.key_store.append(**parts)
 
     def _key_segment(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -324,7 +364,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         parts: dict[str, torch.Tensor] = {}
         count = self.config.outlier_count(x.shape[-1])
         if count:
-            parts = self._outliers(x, (x - x.mean(dim=-1, keepdim=True)).abs(), count)
+            parts = self._outliers(x, _range_shrinking(x, count))
             mask = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, parts["outlier_index"].long(), True)
             lo = torch.where(mask, torch.inf, x).amin(dim=-1, keepdim=True)
             hi = torch.where(mask, -torch.inf, x).amax(dim=-1, keepdim=True)
@@ -338,8 +378,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         return self.kept.expand(x.shape[0], -1, x.shape[2], -1)
 
     @staticmethod
-    def _outliers(x: torch.Tensor, score: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
-        index = score.topk(count, dim=-1).indices
+    def _outliers(x: torch.Tensor, index: torch.Tensor) -> dict[str, torch.Tensor]:
         index_dtype = torch.uint8 if x.shape[-1] <= 256 else torch.int16
         return {"outlier_values": x.gather(-1, index).half(), "outlier_index": index.to(index_dtype)}
 
@@ -363,17 +402,20 @@ class QuantizedKVLayer(CacheLayerMixin):
         return x
 
     def _keys(self) -> torch.Tensor:
-        parts = [self.sinks.tensors["keys"]] if self.sinks.tensors else []
+        parts = [self.sinks.tensors["keys"].to(self.dtype)] if self.sinks.tensors else []
         if self.quantized:
-            per_channel = self.segments if self.config.key_axis == "channel" else None
-            keys = self._dequantize(self.key_store, self.config.key_bits, per_channel)
+            if self.key_blocks is not None:
+                keys = self.key_blocks.read()
+            else:
+                per_channel = self.segments if self.config.key_axis == "channel" else None
+                keys = self._dequantize(self.key_store, self.config.key_bits, per_channel)
             if self.rope is not None:
                 keys = apply_rope(keys, *self.rope(self.length - self.quantized, self.length))
             parts.append(keys.to(self.dtype))
         return torch.cat(parts, dim=-2)
 
     def _values(self) -> torch.Tensor:
-        parts = [self.sinks.tensors["values"]] if self.sinks.tensors else []
+        parts = [self.sinks.tensors["values"].to(self.dtype)] if self.sinks.tensors else []
         if self.quantized:
             parts.append(self._dequantize(self.value_store, self.config.value_bits, None).to(self.dtype))
         return torch.cat(parts, dim=-2)
@@ -386,6 +428,8 @@ class QuantizedKVLayer(CacheLayerMixin):
                 part = {"codes": "codes", "kept": "kept_channels"}.get(name, "scales")
                 part = "outliers" if name.startswith("outlier") else part
                 out[part] = out.get(part, 0) + tensor.numel() * tensor.element_size()
+        for part, size in (self.key_blocks.nbytes() if self.key_blocks is not None else {}).items():
+            out[part] = out.get(part, 0) + size
         return out
 
 

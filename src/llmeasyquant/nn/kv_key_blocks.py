@@ -1,0 +1,187 @@
+"""Keys per channel in blocks of positions: each block of `size` positions is coded on its own per-channel range.
+
+A calibrated range has to hold every token a channel will ever see, so its steps are wide; the keys of 32 nearby
+tokens span much less of it (keys drift along a text). So the cache keeps a block's keys in full precision until
+the block is complete (its positions are aligned to multiples of `size`, so prefill and token-by-token decoding
+code the same blocks the same way), then codes each channel on the range of that block:
+
+- with calibrated ranges, the values outside the calibrated range are the sparse part (kept in fp16 with their
+  position; the calibration's own extremes are the thresholds, so they are rare), and the block's range of the
+  dense rest is stored as two 8-bit fractions of the calibrated range (lo rounded down, hi up): 0.5 bit per key at
+  32 positions instead of 1 bit for fp16 ends;
+- without calibration (online) the block's own min and max are stored in fp16, and nothing is left outside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmeasyquant.primitives import MIN_SCALE, pack_bits, range_dequantize, range_quantize, unpack_bits
+
+RANGE_CODE_LEVELS = 255  # a block's range ends are stored as uint8 fractions of the calibrated range
+
+
+class KeyBlocks:
+    """One layer's pre-RoPE keys after the sink tokens: complete blocks coded, the incomplete one kept as is.
+
+    `reference` is the calibrated (lo, hi) per [heads, dim], or None for ranges measured per block (online);
+    `sparse` keeps the values beyond it apart (otherwise they are clamped to it).
+    `first_position` is the position of the first key given (the sink count), so blocks align to positions.
+    `kept` ([1, heads, 1, n] channel indices) are channels stored in fp16 for every token.
+    """
+
+    def __init__(self, bits: int, size: int, first_position: int, levels: torch.Tensor | None = None,
+                 reference: tuple[torch.Tensor, torch.Tensor] | None = None, kept: torch.Tensor | None = None,
+                 sparse: bool = True):
+        self.bits, self.size, self.first_position, self.levels = bits, size, first_position, levels
+        self.reference = None if reference is None else (reference[0][:, None, :], reference[1][:, None, :])
+        self.kept, self.sparse = kept, sparse
+        self.tensors: dict[str, torch.Tensor] = {}  # [batch, heads, tokens or blocks, x], appended along dim -2
+        # Token-major flat positions, ((t * batch + b) * heads + h) * dim + d, which appending tokens leaves valid.
+        self.outlier_position = torch.empty(0, dtype=torch.int64)
+        self.outlier_values = torch.empty(0, dtype=torch.float16)
+        self.residual: torch.Tensor | None = None  # [batch, heads, r, dim] fp32: the incomplete block
+        self.coded = 0  # keys in complete blocks
+        self.heads = self.dim = 0
+
+    @property
+    def length(self) -> int:
+        return self.coded + (0 if self.residual is None else self.residual.shape[-2])
+
+    def append(self, keys: torch.Tensor) -> None:
+        """Add pre-RoPE keys [batch, heads, tokens, dim] (fp32) and code every block they complete."""
+        self.heads, self.dim = keys.shape[1], keys.shape[3]
+        residual = keys if self.residual is None else torch.cat((self.residual, keys), dim=-2)
+        start = self.first_position + self.coded
+        end = start + residual.shape[-2]
+        complete = end // self.size * self.size - start
+        if complete > 0:
+            head = -start % self.size  # the first block is short when the sinks do not fill part of it
+            sizes = [n for n in (head, complete - head) if n]
+            for blocks in residual[..., :complete, :].split(sizes, dim=-2):
+                self._code(blocks)
+            residual = residual[..., complete:, :]
+        self.residual = residual if residual.shape[-2] else None
+
+    def _code(self, keys: torch.Tensor) -> None:
+        """Code whole blocks: keys [batch, heads, n * size, dim], or one short first block."""
+        batch, heads, tokens, dim = keys.shape
+        width = min(tokens, self.size)
+        blocks = keys.reshape(batch, heads, tokens // width, width, dim)
+        outside = torch.zeros_like(blocks, dtype=torch.bool)
+        if self.reference is not None and self.sparse:
+            ref_lo, ref_hi = (r[:, None] for r in self.reference)  # [heads, 1, 1, dim]
+            outside = (blocks < ref_lo) | (blocks > ref_hi)
+            if self.kept is not None:  # stored exactly already
+                outside &= ~self._kept_mask(blocks)
+        lo = torch.where(outside, torch.inf, blocks).amin(dim=-2, keepdim=True)
+        hi = torch.where(outside, -torch.inf, blocks).amax(dim=-2, keepdim=True)
+        parts, lo, scale = self._store_range(lo, hi)
+        codes = range_quantize(blocks, lo, scale, self.bits, self.levels).reshape(batch, heads, tokens, dim)
+        parts["codes"] = pack_bits(codes, self.bits)
+        if self.kept is not None:
+            parts["kept"] = keys.gather(-1, self._kept_index(keys)).half()
+        self._append(parts)
+        if bool(outside.any()):
+            self._add_outliers(outside.reshape(keys.shape), keys)
+        self.coded += tokens
+
+    def _store_range(self, lo: torch.Tensor, hi: torch.Tensor
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """What is stored of block ranges [batch, heads, blocks, 1, dim], and the (lo, scale) it decodes to."""
+        if self.reference is None:
+            lo16 = lo.half()
+            scale16 = ((hi - lo16.float()) / (2**self.bits - 1)).clamp(min=MIN_SCALE).half()
+            parts = {"range_lo": lo16.squeeze(-2), "range_scale": scale16.squeeze(-2)}
+        else:
+            ref_lo, fraction = self._fraction()
+            empty = lo > hi  # every value of the channel lies outside the calibrated range
+            lo_code = ((lo - ref_lo[:, None]) / fraction[:, None]).floor().clamp(0, RANGE_CODE_LEVELS)
+            hi_code = ((hi - ref_lo[:, None]) / fraction[:, None]).ceil().clamp(0, RANGE_CODE_LEVELS)
+            hi_code = torch.where(empty, lo_code, hi_code)
+            parts = {"range_lo": lo_code.to(torch.uint8).squeeze(-2), "range_hi": hi_code.to(torch.uint8).squeeze(-2)}
+        lo, scale = self._decode_range(parts)
+        return parts, lo[..., None, :], scale[..., None, :]
+
+    def _fraction(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ref_lo, ref_hi = self.reference
+        return ref_lo, (ref_hi - ref_lo) / RANGE_CODE_LEVELS
+
+    def _decode_range(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lo, scale) [batch, heads, blocks, dim] in fp32 from what is stored."""
+        if self.reference is None:
+            return parts["range_lo"].float(), parts["range_scale"].float()
+        ref_lo, fraction = self._fraction()
+        lo = ref_lo + parts["range_lo"].float() * fraction
+        hi = ref_lo + parts["range_hi"].float() * fraction
+        return lo, ((hi - lo) / (2**self.bits - 1)).clamp(min=MIN_SCALE)
+
+    def _append(self, parts: dict[str, torch.Tensor]) -> None:
+        for name, part in parts.items():
+            old = self.tensors.get(name)
+            self.tensors[name] = part if old is None else torch.cat((old, part), dim=-2)
+
+    def _add_outliers(self, outside: torch.Tensor, keys: torch.Tensor) -> None:
+        batch, heads, _, dim = keys.shape
+        b, h, t, d = outside.nonzero(as_tuple=True)
+        position = (((t + self.coded) * batch + b) * heads + h) * dim + d
+        self.outlier_position = torch.cat((self.outlier_position.to(keys.device), position))
+        self.outlier_values = torch.cat((self.outlier_values.to(keys.device), keys[b, h, t, d].half()))
+
+    def _kept_index(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kept.expand(x.shape[0], -1, x.shape[-2], -1)
+
+    def _kept_mask(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(x.shape[1], x.shape[-1], dtype=torch.bool, device=x.device)
+        mask.scatter_(-1, self.kept[0, :, 0], True)  # [heads, dim]
+        return mask.reshape(1, x.shape[1], *([1] * (x.dim() - 3)), x.shape[-1])
+
+    def read(self) -> torch.Tensor:
+        """All keys given so far, pre-RoPE, fp32 [batch, heads, tokens, dim]: blocks decoded, the residual as is."""
+        parts = [self._decode()] if self.coded else []
+        if self.residual is not None:
+            parts.append(self.residual)
+        return torch.cat(parts, dim=-2)
+
+    def _decode(self) -> torch.Tensor:
+        codes = unpack_bits(self.tensors["codes"], self.bits, self.dim)
+        batch, heads, tokens, dim = codes.shape
+        positions = torch.arange(self.first_position, self.first_position + tokens, device=codes.device)
+        block_of = positions // self.size - self.first_position // self.size
+        lo, scale = (p.index_select(-2, block_of) for p in self._decode_range(self.tensors))
+        x = range_dequantize(codes, lo, scale, self.bits, self.levels)
+        if self.outlier_position.numel():
+            rest, d = self.outlier_position.div(dim, rounding_mode="floor"), self.outlier_position % dim
+            rest, h = rest.div(heads, rounding_mode="floor"), rest % heads
+            t, b = rest.div(batch, rounding_mode="floor"), rest % batch
+            x.index_put_((b, h, t, d), self.outlier_values.float())
+        if self.kept is not None:
+            x.scatter_(-1, self._kept_index(x), self.tensors["kept"].float())
+        return x
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, by part: codes, scales (the block ranges), outliers, kept_channels, residual."""
+        kinds = {"codes": "codes", "kept": "kept_channels"}
+        out: dict[str, int] = {}
+        for name, tensor in self.tensors.items():
+            part = kinds.get(name, "scales")
+            out[part] = out.get(part, 0) + tensor.numel() * tensor.element_size()
+        out["outliers"] = sum(t.numel() * t.element_size() for t in (self.outlier_position, self.outlier_values))
+        out["residual"] = 0 if self.residual is None else self.residual.numel() * self.residual.element_size()
+        return out
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Reorder the batch for beam search: new row i is old row beam_idx[i]."""
+        beam_idx = beam_idx.to(self.outlier_position.device)
+        old_batch = next(iter(self.tensors.values())).shape[0] if self.tensors else None
+        self.tensors = {k: t.index_select(0, beam_idx.to(t.device)) for k, t in self.tensors.items()}
+        if self.residual is not None:
+            self.residual = self.residual.index_select(0, beam_idx.to(self.residual.device))
+        if self.outlier_position.numel() and old_batch is not None:
+            per_token = old_batch * self.heads * self.dim
+            t, rest = self.outlier_position.div(per_token, rounding_mode="floor"), self.outlier_position % per_token
+            b, hd = rest.div(self.heads * self.dim, rounding_mode="floor"), rest % (self.heads * self.dim)
+            new_row, which = (b[None, :] == beam_idx[:, None]).nonzero(as_tuple=True)
+            new_batch = beam_idx.shape[0]
+            self.outlier_position = (t[which] * new_batch + new_row) * self.heads * self.dim + hd[which]
+            self.outlier_values = self.outlier_values[which]
