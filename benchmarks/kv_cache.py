@@ -35,6 +35,8 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     "k2": ({"key_bits": 2, "value_bits": 2}, True),
     # 3 bits with finer key blocks and three value outliers per vector: still below the 4-bit cache's memory
     "k3-b16-o3": (THREE | {"key_block": 16, "outliers": 0.047}, True),
+    # ... and the 2 most sensitive key channels per head in fp16: the 3-bit recipe, still below 4-bit memory
+    "k3-b16-o3-c2": (THREE | {"key_block": 16, "outliers": 0.047, "key_channels": 2}, True),
     "k4-c2": ({"key_channels": 2}, True),
     "k4-nf": ({"levels": "nf"}, True),
     "k3-nf": (THREE | {"levels": "nf"}, True),

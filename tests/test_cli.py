@@ -184,7 +184,7 @@ def test_quantize_with_a_quantized_kv_cache_then_eval_uses_it(capsys, llama_fold
     out = tmp_path / "kv"
     code, stdout, _ = run(capsys, "quantize", llama_folder, "--bits", "8", "--kv-bits", "4", "--kv-key-channels",
                           "1", "--kv-key-block", "16", "--calib", calib_text, *KV_CALIB, "--out", out)
-    assert code == 0 and "KV cache k4v4-o0.01-s8-b16" in stdout
+    assert code == 0 and "KV cache k4v4-o0.01-s8-c1-b16" in stdout
     qconfig = json.loads((out / QCONFIG_FILE).read_text())
     assert qconfig["kv_cache"]["calibrated"] is True and qconfig["kv_cache"]["config"]["key_channels"] == 1
     assert qconfig["kv_cache"]["config"]["key_block"] == 16
@@ -195,7 +195,7 @@ def test_quantize_with_a_quantized_kv_cache_then_eval_uses_it(capsys, llama_fold
                            "--json", tmp_path / "b.json")
     assert code == 0 and "KV cache" not in without
     a, b = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
-    assert a["metrics"]["kv_cache"] == "k4v4-o0.01-s8-b16" and a["protocol"]["kv_cache"]["calibrated"] is True
+    assert a["metrics"]["kv_cache"] == "k4v4-o0.01-s8-c1-b16" and a["protocol"]["kv_cache"]["calibrated"] is True
     assert a["metrics"]["kld"] > b["metrics"]["kld"]  # the quantized cache costs something on top of the weights
 
 

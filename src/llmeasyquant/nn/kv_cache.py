@@ -113,6 +113,7 @@ class KVQuantConfig:
         extras = [f"o{self.outliers:g}" if self.outliers else "", f"s{self.sinks}" if self.sinks else "",
                   "" if self.key_axis == "channel" else "ktoken", "" if self.pre_rope else "postrope",
                   "" if self.levels == "uniform" else self.levels,
+                  f"c{self.key_channels}" if self.key_channels else "",
                   f"b{self.key_block}" if self.key_blocks else ""]
         return "-".join([bits, *filter(None, extras)])
 

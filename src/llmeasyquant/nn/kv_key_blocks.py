@@ -44,10 +44,6 @@ class KeyBlocks:
         self.coded = 0  # keys in complete blocks
         self.heads = self.dim = 0
 
-    @property
-    def length(self) -> int:
-        return self.coded + (0 if self.residual is None else self.residual.shape[-2])
-
     def append(self, keys: torch.Tensor) -> None:
         """Add pre-RoPE keys [batch, heads, tokens, dim] (fp32) and code every block they complete."""
         self.heads, self.dim = keys.shape[1], keys.shape[3]
