@@ -33,6 +33,8 @@ def test_generation_speed_and_latency_breakdown(make_model, random_ids) -> None:
     prompt = random_ids[:1]
     speed = generation_speed(base, prompt, new_tokens=4)
     assert speed["prefill_tok_s"] > 0 and speed["decode_tok_s"] > 0 and speed["prompt_tokens"] == 32
+    assert generation_speed(base, prompt, new_tokens=4, runtime="auto")["runtime"] == "lean"  # llama has the loop
+    assert generation_speed(make_model("gpt2"), prompt, new_tokens=4, runtime="auto")["runtime"] == "transformers"
     with pytest.raises(ValueError, match="at least 2"):
         generation_speed(base, prompt, new_tokens=1)
     float_parts = latency_breakdown(base, prompt, new_tokens=4)

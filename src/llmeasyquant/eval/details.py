@@ -35,8 +35,9 @@ def measure_details(reference: nn.Module, model: nn.Module, windows: EvalWindows
     """The optional compare-record fields (docs/compare_record.md) for `model`; `reference` is the unquantized one
     (pass it as `model` too for the fp32 row)."""
     prompt = windows.ids[:1, :PROMPT_TOKENS]
-    row = generation_speed(model, prompt, NEW_TOKENS)
-    row["latency"] = latency_breakdown(model, prompt, PROFILED_TOKENS)
+    # The loop `bench` times by default: the lean one where the family has it, so compare and bench agree.
+    row = generation_speed(model, prompt, NEW_TOKENS, runtime="auto")
+    row["latency"] = latency_breakdown(model, prompt, PROFILED_TOKENS, runtime="auto")
     row["context_ppl"] = context_perplexities(model, windows.ids.flatten(), CONTEXT_LENGTHS, CONTEXT_WINDOWS)
     if quantized_layers(model):
         errors = block_output_errors(reference, model, windows.ids[0])

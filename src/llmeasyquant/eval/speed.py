@@ -96,6 +96,7 @@ def generation_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 6
     """Prefill and decode tokens per second for `prompt` [1, P] and `new_tokens` greedy tokens, after a warm-up."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 to time a decode step, got {new_tokens}")
+    runtime = resolve_runtime(model, runtime)
     _greedy(model, prompt, warmup, runtime)  # first calls prepare kernels and allocate, at the prompt's own length
     prefill_s, decode_s = _greedy(model, prompt, new_tokens, runtime)
     return {"prefill_tok_s": prompt.shape[1] / prefill_s, "decode_tok_s": (new_tokens - 1) / decode_s,
