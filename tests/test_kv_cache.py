@@ -208,7 +208,7 @@ def test_online_key_blocks_store_fp16_ranges_and_no_outliers() -> None:
     layer = QuantizedKVLayer(KVQuantConfig(8, 8, outliers=0.0, sinks=0, key_block=8))
     back = layer.update(keys, keys)[0]
     assert (back - keys).abs().max() < 0.02
-    assert layer.key_blocks.tensors["range_lo"].dtype == torch.float16 and layer.nbytes()["outliers"] == 0
+    assert layer.key_blocks.stored.tensors["range_lo"].dtype == torch.float16 and layer.nbytes()["outliers"] == 0
 
 
 def test_sinks_are_exact_and_only_the_first_tokens() -> None:

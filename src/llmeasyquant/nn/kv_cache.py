@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.models.arch import arch_for, get_module
-from llmeasyquant.nn.kv_key_blocks import KeyBlocks
+from llmeasyquant.nn.kv_key_blocks import KeyBlocks, TokenStore, kept_index
 from llmeasyquant.observers import EMARangeObserver
 from llmeasyquant.primitives import (
     MIN_SCALE,
@@ -211,21 +211,6 @@ def _range_shrinking(x: torch.Tensor, count: int) -> torch.Tensor:
     return order.gather(-1, torch.where(j < low, j, n - 1 - (j - low)))
 
 
-@dataclass
-class _Stored:
-    """The tensors one kind (keys or values) keeps, each [batch, heads, tokens, x] and appended along tokens."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def append(self, **parts: torch.Tensor) -> None:
-        for name, part in parts.items():
-            old = self.tensors.get(name)
-            self.tensors[name] = part if old is None else torch.cat((old, part), dim=-2)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
 class QuantizedKVLayer(CacheLayerMixin):
     """One attention layer's quantized cache (see the module docstring)."""
 
@@ -237,9 +222,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.key_range = key_range
         self.observer = EMARangeObserver(config.momentum)
         self.length = 0
-        self.sinks = _Stored()
-        self.key_store = _Stored()
-        self.value_store = _Stored()
+        self.sinks = TokenStore()
+        self.key_store = TokenStore()
+        self.value_store = TokenStore()
         # Channel-axis keys: (first quantized token, lo [H, D], scale [H, D]) per segment sharing one range.
         self.segments: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.quantized = 0
@@ -315,7 +300,7 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for store in (self.sinks, self.key_store, self.value_store):
-            store.tensors = {k: t.index_select(0, beam_idx.to(t.device)) for k, t in store.tensors.items()}
+            store.reorder(beam_idx)
         if self.key_blocks is not None:
             self.key_blocks.reorder(beam_idx)
 
@@ -332,13 +317,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         lo, scale = lo.float()[:, None, :], scale.float()[:, None, :]
         parts = {"codes": pack_bits(range_quantize(keys, lo, scale, bits, self.levels[bits]), bits)}
         if self.kept is not None:
-            parts["kept"] = keys.gather(-1, self._kept_index(keys)).half()
+            parts["kept"] = keys.gather(-1, kept_index(self.kept, keys)).half()
         count = self.config.outlier_count(keys.shape[-1])
         if count:
             # Furthest from the channel's range centre, in units of its step: what clamping would hurt most.
             score = (keys - (lo + scale * (2**bits - 1) / 2)).abs() / scale
             if self.kept is not None:  # stored exactly already
-                score = score.scatter(-1, self._kept_index(score), -torch.inf)
+                score = score.scatter(-1, kept_index(self.kept, score), -torch.inf)
             parts |= self._outliers(keys, score.topk(count, dim=-1).indices)
         self.key_store.append(**parts)
 
@@ -360,7 +345,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.segments.append((self.quantized, *_range_params(lo, hi, self.config.key_bits, self.config.margin)))
         return self.segments[-1]
 
-    def _store_tokens(self, store: _Stored, x: torch.Tensor, bits: int) -> None:
+    def _store_tokens(self, store: TokenStore, x: torch.Tensor, bits: int) -> None:
         """Per-token (per head vector) dynamic range, after setting the outliers apart."""
         parts: dict[str, torch.Tensor] = {}
         count = self.config.outlier_count(x.shape[-1])
@@ -375,16 +360,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         codes = range_quantize(x, lo16.float(), scale16.float(), bits, self.levels[bits])
         store.append(codes=pack_bits(codes, bits), lo=lo16, scale=scale16, **parts)
 
-    def _kept_index(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kept.expand(x.shape[0], -1, x.shape[2], -1)
-
     @staticmethod
     def _outliers(x: torch.Tensor, index: torch.Tensor) -> dict[str, torch.Tensor]:
         index_dtype = torch.uint8 if x.shape[-1] <= 256 else torch.int16
         return {"outlier_values": x.gather(-1, index).half(), "outlier_index": index.to(index_dtype)}
 
     # reading back --------------------------------------------------------------------------------------------
-    def _dequantize(self, store: _Stored, bits: int, lo_scale: list[tuple[int, torch.Tensor, torch.Tensor]] | None
+    def _dequantize(self, store: TokenStore, bits: int, lo_scale: list[tuple[int, torch.Tensor, torch.Tensor]] | None
                     ) -> torch.Tensor:
         dim = self.shape[2]
         codes = unpack_bits(store.tensors["codes"], bits, dim)
@@ -399,7 +381,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if "outlier_index" in store.tensors:
             x.scatter_(-1, store.tensors["outlier_index"].long(), store.tensors["outlier_values"].float())
         if "kept" in store.tensors:
-            x.scatter_(-1, self._kept_index(x), store.tensors["kept"].float())
+            x.scatter_(-1, kept_index(self.kept, x), store.tensors["kept"].float())
         return x
 
     def _keys(self) -> torch.Tensor:

@@ -14,11 +14,36 @@ code the same blocks the same way), then codes each channel on the range of that
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from llmeasyquant.primitives import MIN_SCALE, pack_bits, range_dequantize, range_quantize, unpack_bits
 
 RANGE_CODE_LEVELS = 255  # a block's range ends are stored as uint8 fractions of the calibrated range
+
+
+@dataclass
+class TokenStore:
+    """Named tensors [batch, heads, tokens or blocks, x], each appended along dim -2 and reordered along batch."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def append(self, **parts: torch.Tensor) -> None:
+        for name, part in parts.items():
+            old = self.tensors.get(name)
+            self.tensors[name] = part if old is None else torch.cat((old, part), dim=-2)
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        self.tensors = {k: t.index_select(0, beam_idx.to(t.device)) for k, t in self.tensors.items()}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def kept_index(kept: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The kept key channels ([1, heads, 1, n]) as a gather/scatter index over x [batch, heads, tokens, dim]."""
+    return kept.expand(x.shape[0], -1, x.shape[-2], -1)
 
 
 class KeyBlocks:
@@ -36,7 +61,7 @@ class KeyBlocks:
         self.bits, self.size, self.first_position, self.levels = bits, size, first_position, levels
         self.reference = None if reference is None else (reference[0][:, None, :], reference[1][:, None, :])
         self.kept, self.sparse = kept, sparse
-        self.tensors: dict[str, torch.Tensor] = {}  # [batch, heads, tokens or blocks, x], appended along dim -2
+        self.stored = TokenStore()  # codes, block range ends, kept channels
         # Token-major flat positions, ((t * batch + b) * heads + h) * dim + d, which appending tokens leaves valid.
         self.outlier_position = torch.empty(0, dtype=torch.int64)
         self.outlier_values = torch.empty(0, dtype=torch.float16)
@@ -76,8 +101,8 @@ class KeyBlocks:
         codes = range_quantize(blocks, lo, scale, self.bits, self.levels).reshape(batch, heads, tokens, dim)
         parts["codes"] = pack_bits(codes, self.bits)
         if self.kept is not None:
-            parts["kept"] = keys.gather(-1, self._kept_index(keys)).half()
-        self._append(parts)
+            parts["kept"] = keys.gather(-1, kept_index(self.kept, keys)).half()
+        self.stored.append(**parts)
         if bool(outside.any()):
             self._add_outliers(outside.reshape(keys.shape), keys)
         self.coded += tokens
@@ -112,20 +137,12 @@ class KeyBlocks:
         hi = ref_lo + parts["range_hi"].float() * fraction
         return lo, ((hi - lo) / (2**self.bits - 1)).clamp(min=MIN_SCALE)
 
-    def _append(self, parts: dict[str, torch.Tensor]) -> None:
-        for name, part in parts.items():
-            old = self.tensors.get(name)
-            self.tensors[name] = part if old is None else torch.cat((old, part), dim=-2)
-
     def _add_outliers(self, outside: torch.Tensor, keys: torch.Tensor) -> None:
         batch, heads, _, dim = keys.shape
         b, h, t, d = outside.nonzero(as_tuple=True)
         position = (((t + self.coded) * batch + b) * heads + h) * dim + d
         self.outlier_position = torch.cat((self.outlier_position.to(keys.device), position))
         self.outlier_values = torch.cat((self.outlier_values.to(keys.device), keys[b, h, t, d].half()))
-
-    def _kept_index(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kept.expand(x.shape[0], -1, x.shape[-2], -1)
 
     def _kept_mask(self, x: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(x.shape[1], x.shape[-1], dtype=torch.bool, device=x.device)
@@ -140,11 +157,12 @@ class KeyBlocks:
         return torch.cat(parts, dim=-2)
 
     def _decode(self) -> torch.Tensor:
-        codes = unpack_bits(self.tensors["codes"], self.bits, self.dim)
+        tensors = self.stored.tensors
+        codes = unpack_bits(tensors["codes"], self.bits, self.dim)
         batch, heads, tokens, dim = codes.shape
         positions = torch.arange(self.first_position, self.first_position + tokens, device=codes.device)
         block_of = positions // self.size - self.first_position // self.size
-        lo, scale = (p.index_select(-2, block_of) for p in self._decode_range(self.tensors))
+        lo, scale = (p.index_select(-2, block_of) for p in self._decode_range(tensors))
         x = range_dequantize(codes, lo, scale, self.bits, self.levels)
         if self.outlier_position.numel():
             rest, d = self.outlier_position.div(dim, rounding_mode="floor"), self.outlier_position % dim
@@ -152,14 +170,14 @@ class KeyBlocks:
             t, b = rest.div(batch, rounding_mode="floor"), rest % batch
             x.index_put_((b, h, t, d), self.outlier_values.float())
         if self.kept is not None:
-            x.scatter_(-1, self._kept_index(x), self.tensors["kept"].float())
+            x.scatter_(-1, kept_index(self.kept, x), tensors["kept"].float())
         return x
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by part: codes, scales (the block ranges), outliers, kept_channels, residual."""
         kinds = {"codes": "codes", "kept": "kept_channels"}
         out: dict[str, int] = {}
-        for name, tensor in self.tensors.items():
+        for name, tensor in self.stored.tensors.items():
             part = kinds.get(name, "scales")
             out[part] = out.get(part, 0) + tensor.numel() * tensor.element_size()
         out["outliers"] = sum(t.numel() * t.element_size() for t in (self.outlier_position, self.outlier_values))
@@ -169,8 +187,8 @@ class KeyBlocks:
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Reorder the batch for beam search: new row i is old row beam_idx[i]."""
         beam_idx = beam_idx.to(self.outlier_position.device)
-        old_batch = next(iter(self.tensors.values())).shape[0] if self.tensors else None
-        self.tensors = {k: t.index_select(0, beam_idx.to(t.device)) for k, t in self.tensors.items()}
+        old_batch = next(iter(self.stored.tensors.values())).shape[0] if self.stored.tensors else None
+        self.stored.reorder(beam_idx)
         if self.residual is not None:
             self.residual = self.residual.index_select(0, beam_idx.to(self.residual.device))
         if self.outlier_position.numel() and old_batch is not None:
