@@ -19,8 +19,10 @@ from llmeasyquant.nn.kv_cache import (
     QuantizedKVCache,
     QuantizedKVLayer,
     apply_rope,
+    apply_rope_,
     undo_rope,
 )
+from llmeasyquant.nn.kv_key_blocks import _positions
 from llmeasyquant.primitives import normal_float_levels, pack_bits, range_dequantize, range_quantize, unpack_bits
 
 HEADS, DIM = 2, 16
@@ -49,6 +51,13 @@ def test_pack_bits_round_trips_and_really_shrinks(bits: int, n: int) -> None:
     assert torch.equal(unpack_bits(packed, bits, n), codes)
 
 
+def test_pack_bits_layout_is_fixed() -> None:
+    """Checkpoints store packed weights: each run of 8 codes fills `bits` bytes, least significant bits first."""
+    assert pack_bits(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.uint8), 4).tolist() == [0x21, 0x43, 0x65, 0x87]
+    assert pack_bits(torch.tensor([1, 2, 3, 0, 3, 2, 1, 0], dtype=torch.uint8), 2).tolist() == [0x39, 0x1B]
+    assert pack_bits(torch.tensor([7, 1, 0, 0, 0, 0, 0, 5], dtype=torch.uint8), 3).tolist() == [0x0F, 0x00, 0xA0]
+
+
 def test_uniform_and_normal_float_levels() -> None:
     levels = normal_float_levels(3)
     assert levels[0] == 0 and levels[-1] == 1 and bool((levels.diff() > 0).all())
@@ -72,6 +81,19 @@ def test_round_trip_error_is_within_half_a_step(bits: int) -> None:
     assert (k_back - keys).abs().max() <= step_k / 2 * 1.01
     v_step = (values.amax(-1, keepdim=True) - values.amin(-1, keepdim=True)) / (2**bits - 1)
     assert bool(((v_back - values).abs() <= v_step / 2 * 1.01 + 1e-3).all())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_value_zero_points_fit_a_byte_and_hold_ranges_off_zero(bits: int) -> None:
+    """Values are coded on a range widened to hold 0, with where 0 lies on the grid in one byte: a vector that
+    does not straddle 0 still comes back within half a step of [0, max]."""
+    _, values = kv(32)
+    values[0, 0] = values[0, 0].abs() + 3.0  # every value positive
+    layer = QuantizedKVLayer(KVQuantConfig(8, bits, outliers=0.0, sinks=0, key_block=0), flat_ranges())
+    back = layer.update(values, values)[1]
+    assert layer.value_store.tensors["zero"].dtype == torch.uint8
+    span = values.amax(-1, keepdim=True) - values.amin(-1, keepdim=True).clamp(max=0)
+    assert bool(((back - values).abs() <= span / (2**bits - 1) / 2 * 1.01 + 1e-3).all())
 
 
 def test_round_trip_error_shrinks_with_bits() -> None:
@@ -153,8 +175,9 @@ def test_key_blocks_code_each_block_on_its_own_range(bits: int) -> None:
     assert bool(((k_blocks - keys).abs() <= bound).all())
     assert (k_blocks - keys).pow(2).mean() < (k_whole - keys).pow(2).mean() / 4
     sizes = blocks.nbytes()
-    # Two uint8 range ends per (head, block, channel) for the keys; fp16 lo and scale per (head, token) for the values.
-    assert sizes["scales"] == 2 * HEADS * 4 * DIM + 4 * HEADS * 32
+    # Two uint8 range ends per (head, block, channel) for the keys; a uint8 zero point and an fp16 step per
+    # (head, token) for the values.
+    assert sizes["scales"] == 2 * HEADS * 4 * DIM + 3 * HEADS * 32
     assert sizes["residual"] == 0 and sizes["outliers"] == 0
 
 
@@ -184,10 +207,15 @@ def test_key_blocks_keep_values_beyond_the_calibrated_range_exactly() -> None:
     rest = (back - keys).abs()
     rest[0, 1, 5, 7] = rest[0, 0, 20, 2] = 0
     assert rest.max() <= 2 / 15 / 2 * 1.01  # the others: within half a step of [-1, 1] at most
-    assert layer.key_blocks.nbytes()["outliers"] == 2 * (8 + 2)  # a position (int64) and an fp16 value each
+    assert layer.key_blocks.nbytes()["outliers"] == 2 * (4 + 2)  # a position (int32) and an fp16 value each
     clamped = QuantizedKVLayer(KVQuantConfig(4, 4, outliers=0.0, sinks=0, key_block=16), flat_ranges(-1, 1))
     back = clamped.update(keys, values)[0]
     assert back[0, 1, 5, 7] == pytest.approx(1.0, abs=1e-2) and clamped.nbytes()["outliers"] == 0
+
+
+def test_sparse_key_positions_widen_to_int64_only_when_they_must() -> None:
+    assert _positions(torch.tensor([0, 2**31 - 1])).dtype == torch.int32
+    assert _positions(torch.tensor([0, 2**31])).dtype == torch.int64
 
 
 def test_key_blocks_follow_beam_reordering() -> None:
@@ -252,6 +280,9 @@ def test_undo_rope_inverts_apply_rope() -> None:
     cos, sin = _rope(10)
     assert torch.allclose(undo_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-5)
     assert torch.allclose(undo_rope(apply_rope(x, 2 * cos, 2 * sin), 2 * cos, 2 * sin), x, atol=1e-5)
+    in_place = x.clone()
+    apply_rope_(in_place, cos, sin)
+    assert torch.equal(in_place, apply_rope(x, cos, sin))  # the cache's in-place rotation: the same bits
 
 
 def test_keys_are_quantized_before_rope_and_rotated_after() -> None:

@@ -178,6 +178,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+@torch.no_grad()
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`apply_rope` in place, with the same products and sums (so the same bits), without its temporaries."""
+    half = x.shape[-1] // 2
+    first = x[..., half:] * sin[..., :half]  # what rotate_half(x) * sin subtracts from the first half
+    second = x[..., :half] * sin[..., half:]  # and adds to the second
+    x.mul_(cos)
+    x[..., :half] -= first
+    x[..., half:] += second
+
+
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of `apply_rope` (rotation by -θ, divided by the squared attention scaling cos² + sin²)."""
     return (x * cos - _rotate_half(x) * sin) / (cos * cos + sin * sin)
@@ -198,6 +209,27 @@ def _range_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, margin: float =
         lo, hi = centre - half, centre + half
     scale = ((hi - lo) / (2**bits - 1)).clamp(min=MIN_SCALE)
     return lo.half(), scale.half()
+
+
+def _zero_steps(bits: int) -> int:
+    """Parts of a step the per-token zero point is stored in: as many as fit its 2^bits - 1 steps into a uint8."""
+    return 256 // 2**bits
+
+
+def _token_range(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zero, scale) stored for a per-token range: the fp16 step and, in one byte instead of an fp16 lo, where zero
+    lies on the grid in 1/`_zero_steps` of a step. The range is widened to hold 0 (head vectors nearly always do),
+    and the grid moves by at most 1/32 of a step at 4 bits, so the largest values still land within half a step."""
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    scale = ((hi - lo) / (2**bits - 1)).clamp(min=MIN_SCALE).half()
+    parts = _zero_steps(bits)
+    zero = (-lo / scale.float() * parts).round().clamp(0, (2**bits - 1) * parts)
+    return zero.to(torch.uint8), scale
+
+
+def _token_lo(zero: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The fp32 bottom of the grid `_token_range` stored."""
+    return -zero.float() / _zero_steps(bits) * scale.float()
 
 
 def _range_shrinking(x: torch.Tensor, count: int) -> torch.Tensor:
@@ -262,6 +294,8 @@ class QuantizedKVLayer(CacheLayerMixin):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        # What the cache returns is decoded from integer codes: no gradient flows through it.
+        key_states, value_states = key_states.detach(), value_states.detach()
         tokens = key_states.shape[-2]
         start = self.length
         n_sink = min(max(self.config.sinks - start, 0), tokens)
@@ -303,6 +337,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             store.reorder(beam_idx)
         if self.key_blocks is not None:
             self.key_blocks.reorder(beam_idx)
+        if self.shape is not None:
+            self.shape = (beam_idx.shape[0], *self.shape[1:])
 
     # storage -------------------------------------------------------------------------------------------------
     def _store_keys(self, keys: torch.Tensor) -> None:
@@ -356,9 +392,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             hi = torch.where(mask, -torch.inf, x).amax(dim=-1, keepdim=True)
         else:
             lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-        lo16, scale16 = _range_params(lo, hi, bits)
-        codes = range_quantize(x, lo16.float(), scale16.float(), bits, self.levels[bits])
-        store.append(codes=pack_bits(codes, bits), lo=lo16, scale=scale16, **parts)
+        zero, scale16 = _token_range(lo, hi, bits)
+        codes = range_quantize(x, _token_lo(zero, scale16, bits), scale16.float(), bits, self.levels[bits])
+        store.append(codes=pack_bits(codes, bits), zero=zero, scale=scale16, **parts)
 
     @staticmethod
     def _outliers(x: torch.Tensor, index: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -366,42 +402,51 @@ class QuantizedKVLayer(CacheLayerMixin):
         return {"outlier_values": x.gather(-1, index).half(), "outlier_index": index.to(index_dtype)}
 
     # reading back --------------------------------------------------------------------------------------------
-    def _dequantize(self, store: TokenStore, bits: int, lo_scale: list[tuple[int, torch.Tensor, torch.Tensor]] | None
-                    ) -> torch.Tensor:
-        dim = self.shape[2]
-        codes = unpack_bits(store.tensors["codes"], bits, dim)
+    @torch.no_grad()  # decoded from integer codes: nothing to differentiate, and `out=` refuses autograd
+    def _dequantize(self, store: TokenStore, bits: int, lo_scale: list[tuple[int, torch.Tensor, torch.Tensor]] | None,
+                    x: torch.Tensor) -> None:
+        """Decode the store into x (fp32 [batch, heads, tokens, dim])."""
+        codes = unpack_bits(store.tensors["codes"], bits, self.shape[2])
         levels = self.levels[bits]
         if lo_scale is None:  # per token
-            x = range_dequantize(codes, store.tensors["lo"].float(), store.tensors["scale"].float(), bits, levels)
+            scale = store.tensors["scale"]
+            range_dequantize(codes, _token_lo(store.tensors["zero"], scale, bits), scale.float(), bits, levels, out=x)
         else:  # per channel, one range per segment
             ends = [first for first, _, _ in lo_scale[1:]] + [codes.shape[-2]]
-            x = torch.cat([range_dequantize(codes[..., first:end, :], lo.float()[:, None, :],
-                                            scale.float()[:, None, :], bits, levels)
-                           for (first, lo, scale), end in zip(lo_scale, ends, strict=True)], dim=-2)
+            for (first, lo, scale), end in zip(lo_scale, ends, strict=True):
+                range_dequantize(codes[..., first:end, :], lo.float()[:, None, :], scale.float()[:, None, :], bits,
+                                 levels, out=x[..., first:end, :])
         if "outlier_index" in store.tensors:
             x.scatter_(-1, store.tensors["outlier_index"].long(), store.tensors["outlier_values"].float())
         if "kept" in store.tensors:
             x.scatter_(-1, kept_index(self.kept, x), store.tensors["kept"].float())
-        return x
+
+    def _read(self, name: str, decode: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """All keys or values, written into one fp32 tensor: the sinks, then what `decode` writes after them."""
+        batch, heads, dim = self.shape
+        out = torch.empty(batch, heads, self.length, dim, device=self.device)
+        sunk = self.length - self.quantized
+        if sunk:
+            out[..., :sunk, :] = self.sinks.tensors[name]
+        if self.quantized:
+            decode(out[..., sunk:, :])
+        return out.to(self.dtype)
 
     def _keys(self) -> torch.Tensor:
-        parts = [self.sinks.tensors["keys"].to(self.dtype)] if self.sinks.tensors else []
-        if self.quantized:
+        def decode(keys: torch.Tensor) -> None:
             if self.key_blocks is not None:
-                keys = self.key_blocks.read()
+                self.key_blocks.read(keys)
             else:
                 per_channel = self.segments if self.config.key_axis == "channel" else None
-                keys = self._dequantize(self.key_store, self.config.key_bits, per_channel)
+                self._dequantize(self.key_store, self.config.key_bits, per_channel, keys)
             if self.rope is not None:
-                keys = apply_rope(keys, *self.rope(self.length - self.quantized, self.length))
-            parts.append(keys.to(self.dtype))
-        return torch.cat(parts, dim=-2)
+                apply_rope_(keys, *self.rope(self.length - self.quantized, self.length))
+
+        return self._read("keys", decode)
 
     def _values(self) -> torch.Tensor:
-        parts = [self.sinks.tensors["values"].to(self.dtype)] if self.sinks.tensors else []
-        if self.quantized:
-            parts.append(self._dequantize(self.value_store, self.config.value_bits, None).to(self.dtype))
-        return torch.cat(parts, dim=-2)
+        return self._read("values", lambda values: self._dequantize(self.value_store, self.config.value_bits, None,
+                                                                    values))
 
     def nbytes(self) -> dict[str, int]:
         segments = sum(lo.numel() * lo.element_size() + s.numel() * s.element_size() for _, lo, s in self.segments)

@@ -46,6 +46,11 @@ def kept_index(kept: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return kept.expand(x.shape[0], -1, x.shape[-2], -1)
 
 
+def _positions(flat: torch.Tensor) -> torch.Tensor:
+    """Flat key positions as stored: int32, which halves their bytes, until the cache outgrows it."""
+    return flat.to(torch.int32) if not flat.numel() or int(flat.max()) < 2**31 else flat
+
+
 class KeyBlocks:
     """One layer's pre-RoPE keys after the sink tokens: complete blocks coded, the incomplete one kept as is.
 
@@ -63,7 +68,7 @@ class KeyBlocks:
         self.kept, self.sparse = kept, sparse
         self.stored = TokenStore()  # codes, block range ends, kept channels
         # Token-major flat positions, ((t * batch + b) * heads + h) * dim + d, which appending tokens leaves valid.
-        self.outlier_position = torch.empty(0, dtype=torch.int64)
+        self.outlier_position = torch.empty(0, dtype=torch.int32)
         self.outlier_values = torch.empty(0, dtype=torch.float16)
         self.residual: torch.Tensor | None = None  # [batch, heads, r, dim] fp32: the incomplete block
         self.coded = 0  # keys in complete blocks
@@ -141,7 +146,7 @@ class KeyBlocks:
         batch, heads, _, dim = keys.shape
         b, h, t, d = outside.nonzero(as_tuple=True)
         position = (((t + self.coded) * batch + b) * heads + h) * dim + d
-        self.outlier_position = torch.cat((self.outlier_position.to(keys.device), position))
+        self.outlier_position = _positions(torch.cat((self.outlier_position.to(keys.device, torch.int64), position)))
         self.outlier_values = torch.cat((self.outlier_values.to(keys.device), keys[b, h, t, d].half()))
 
     def _kept_mask(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,29 +154,37 @@ class KeyBlocks:
         mask.scatter_(-1, self.kept[0, :, 0], True)  # [heads, dim]
         return mask.reshape(1, x.shape[1], *([1] * (x.dim() - 3)), x.shape[-1])
 
-    def read(self) -> torch.Tensor:
-        """All keys given so far, pre-RoPE, fp32 [batch, heads, tokens, dim]: blocks decoded, the residual as is."""
-        parts = [self._decode()] if self.coded else []
+    def read(self, out: torch.Tensor) -> None:
+        """Write all keys given so far, pre-RoPE, into out (fp32 [batch, heads, tokens, dim]): blocks decoded, the
+        residual as is."""
+        if self.coded:
+            self._decode(out[..., : self.coded, :])
         if self.residual is not None:
-            parts.append(self.residual)
-        return torch.cat(parts, dim=-2)
+            out[..., self.coded:, :] = self.residual
 
-    def _decode(self) -> torch.Tensor:
+    @torch.no_grad()  # decoded from integer codes: nothing to differentiate, and `out=` refuses autograd
+    def _decode(self, x: torch.Tensor) -> None:
         tensors = self.stored.tensors
         codes = unpack_bits(tensors["codes"], self.bits, self.dim)
         batch, heads, tokens, dim = codes.shape
-        positions = torch.arange(self.first_position, self.first_position + tokens, device=codes.device)
-        block_of = positions // self.size - self.first_position // self.size
-        lo, scale = (p.index_select(-2, block_of) for p in self._decode_range(tensors))
-        x = range_dequantize(codes, lo, scale, self.bits, self.levels)
+        lo, scale = self._decode_range(tensors)  # [batch, heads, blocks, dim]
+        # Decoded in place block by block (a view splitting tokens into blocks), not with ranges gathered per token.
+        head = min(-self.first_position % self.size, tokens)  # the short first block, if any
+        if head:
+            x[..., :head, :] = range_dequantize(codes[..., :head, :], lo[..., :1, :], scale[..., :1, :], self.bits,
+                                                self.levels)
+        whole = x[..., head:, :].unflatten(-2, (-1, self.size))
+        first = 1 if head else 0
+        range_dequantize(codes[..., head:, :].unflatten(-2, (-1, self.size)), lo[..., first:, None, :],
+                         scale[..., first:, None, :], self.bits, self.levels, out=whole)
         if self.outlier_position.numel():
-            rest, d = self.outlier_position.div(dim, rounding_mode="floor"), self.outlier_position % dim
+            position = self.outlier_position.long()
+            rest, d = position.div(dim, rounding_mode="floor"), position % dim
             rest, h = rest.div(heads, rounding_mode="floor"), rest % heads
             t, b = rest.div(batch, rounding_mode="floor"), rest % batch
             x.index_put_((b, h, t, d), self.outlier_values.float())
         if self.kept is not None:
             x.scatter_(-1, kept_index(self.kept, x), tensors["kept"].float())
-        return x
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by part: codes, scales (the block ranges), outliers, kept_channels, residual."""
@@ -187,15 +200,16 @@ class KeyBlocks:
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Reorder the batch for beam search: new row i is old row beam_idx[i]."""
         beam_idx = beam_idx.to(self.outlier_position.device)
+        positions = self.outlier_position.long()
         old_batch = next(iter(self.stored.tensors.values())).shape[0] if self.stored.tensors else None
         self.stored.reorder(beam_idx)
         if self.residual is not None:
             self.residual = self.residual.index_select(0, beam_idx.to(self.residual.device))
         if self.outlier_position.numel() and old_batch is not None:
             per_token = old_batch * self.heads * self.dim
-            t, rest = self.outlier_position.div(per_token, rounding_mode="floor"), self.outlier_position % per_token
+            t, rest = positions.div(per_token, rounding_mode="floor"), positions % per_token
             b, hd = rest.div(self.heads * self.dim, rounding_mode="floor"), rest % (self.heads * self.dim)
             new_row, which = (b[None, :] == beam_idx[:, None]).nonzero(as_tuple=True)
             new_batch = beam_idx.shape[0]
-            self.outlier_position = (t[which] * new_batch + new_row) * self.heads * self.dim + hd[which]
+            self.outlier_position = _positions((t[which] * new_batch + new_row) * self.heads * self.dim + hd[which])
             self.outlier_values = self.outlier_values[which]
