@@ -27,7 +27,8 @@ from llmeasyquant.nn.kv_cache import KVQuantConfig
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 # name -> (cache options, calibrated key ranges?)
-THREE = {"key_bits": 3, "value_bits": 3}
+# "k3" rows are 3 bits with the options 4 bits default to; "k3-b16-o3-c2" is what 3 bits default to.
+THREE = {"key_bits": 3, "value_bits": 3, "key_block": 32, "outliers": 0.01, "key_channels": 0}
 CONFIGS: dict[str, tuple[dict, bool]] = {
     "k8": ({"key_bits": 8, "value_bits": 8}, True),
     "k4": ({}, True),
@@ -35,7 +36,7 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     "k2": ({"key_bits": 2, "value_bits": 2}, True),
     # 3 bits with finer key blocks and three value outliers per vector: still below the 4-bit cache's memory
     "k3-b16-o3": (THREE | {"key_block": 16, "outliers": 0.047}, True),
-    # ... and the 2 most sensitive key channels per head in fp16: the 3-bit recipe, still below 4-bit memory
+    # ... and the 2 most sensitive key channels per head in fp16: the 3-bit defaults, still below 4-bit memory
     "k3-b16-o3-c2": (THREE | {"key_block": 16, "outliers": 0.047, "key_channels": 2}, True),
     "k4-c2": ({"key_channels": 2}, True),
     "k4-nf": ({"levels": "nf"}, True),

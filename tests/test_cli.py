@@ -210,9 +210,9 @@ def test_compare_with_a_kv_cache(capsys, llama_folder: Path, wiki_text: Path, ca
     record_path = tmp_path / "c.json"
     code, stdout, _ = run(capsys, "compare", llama_folder, "--schemes", "w8a16", "--text", wiki_text, *EVAL_ARGS,
                           "--kv-bits", "3", "--calib", calib_text, *KV_CALIB, "--json", record_path)
-    assert code == 0 and "KV cache k3v3-o0.01-s8-b32" in stdout
+    assert code == 0 and "KV cache k3v3-o0.047-s8-c2-b16" in stdout  # the 3-bit defaults
     fp32, w8 = (r["metrics"] for r in json.loads(record_path.read_text()))
-    assert "kv_cache" not in fp32 and w8["kv_cache"] == "k3v3-o0.01-s8-b32" and w8["kld"] > 0
+    assert "kv_cache" not in fp32 and w8["kv_cache"] == "k3v3-o0.047-s8-c2-b16" and w8["kld"] > 0
 
 
 @pytest.mark.parametrize("args, needles", [

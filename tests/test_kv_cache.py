@@ -386,9 +386,34 @@ def test_gpt2_without_rope_works(tiny_gpt2, random_ids) -> None:
     assert (out - ref).abs().max() < 0.05
 
 
-def test_gpt2_cannot_keep_key_channels(tiny_gpt2, random_ids) -> None:
-    with pytest.raises(ConfigError, match="fuses q, k"):
-        lq.SimQuant(KVQuantConfig(key_channels=1)).calibrate(tiny_gpt2, random_ids, progress=False)
+def test_gpt2_keeps_key_channels_chosen_from_its_fused_queries(tiny_gpt2, random_ids) -> None:
+    config = KVQuantConfig(3, 3)  # 3 bits keep 2 key channels per head by default
+    spec = lq.SimQuant(config).calibrate(tiny_gpt2, random_ids, progress=False)
+    hidden, heads = tiny_gpt2.config.n_embd, tiny_gpt2.config.n_head
+    # By hand: mean squared query per channel (c_attn's output holds the queries first) times the squared key range.
+    power = []
+    hook = tiny_gpt2.transformer.h[0].attn.c_attn.register_forward_hook(
+        lambda module, args, out: power.append(out[0, config.sinks:, :hidden].pow(2).mean(dim=0)))
+    with torch.no_grad():
+        for sample in random_ids:
+            tiny_gpt2(sample[None])
+    hook.remove()
+    score = sum(power).reshape(heads, -1) * (spec.key_ranges.hi[0] - spec.key_ranges.lo[0]).pow(2)
+    assert config.key_channels == 2
+    assert torch.equal(spec.key_ranges.kept[0], score.topk(2, dim=-1).indices.sort(dim=-1).values)
+    out = tiny_gpt2(random_ids[:1], past_key_values=spec.new_cache(tiny_gpt2), use_cache=True).logits
+    assert torch.isfinite(out).all()
+
+
+def test_bit_width_defaults_apply_only_where_options_are_left_unset() -> None:
+    assert (KVQuantConfig(3, 3).key_block, KVQuantConfig(3, 3).outliers, KVQuantConfig(3, 3).key_channels) == \
+        (16, 0.047, 2)
+    assert (KVQuantConfig(4, 4).key_block, KVQuantConfig(4, 4).outliers, KVQuantConfig(4, 4).key_channels) == \
+        (32, 0.01, 0)
+    assert KVQuantConfig(3, 4).outliers == 0.01 and KVQuantConfig(4, 3).outliers == 0.047  # outliers: value bits
+    plain = KVQuantConfig(3, 3, key_block=32, outliers=0.01, key_channels=0)
+    assert plain.name == "k3v3-o0.01-s8-b32"
+    assert KVQuantConfig.from_dict(KVQuantConfig(3, 3).to_dict()) == KVQuantConfig(3, 3)
 
 
 @pytest.mark.parametrize("options,match", [

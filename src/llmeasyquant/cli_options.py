@@ -58,15 +58,15 @@ def add_calib_text_options(p: argparse.ArgumentParser) -> None:
 def add_kv_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, help="quantize the KV cache (SimQuant): 2, 3, 4 or 8 bits for keys and "
                    "values; key ranges from --calib text, or tracked online without it")
-    p.add_argument("--kv-outliers", type=float, default=0.01,
+    p.add_argument("--kv-outliers", type=float,
                    help="share of each value vector (and of each key vector with --kv-key-block 0) kept apart in "
-                   "fp16 (default 0.01)")
-    p.add_argument("--kv-key-block", type=int, default=32,
+                   "fp16 (default 0.01; 0.047 at 3 bits)")
+    p.add_argument("--kv-key-block", type=int,
                    help="keys are coded per block of this many positions, each channel on the block's own range "
-                   "(default 32); 0 codes each key on arrival on the calibrated range, as KVQuant")
+                   "(default 32; 16 at 3 bits); 0 codes each key on arrival on the calibrated range, as KVQuant")
     p.add_argument("--kv-sinks", type=int, default=8, help="first tokens kept unquantized, in 16 bits (default 8)")
-    p.add_argument("--kv-key-channels", type=int, default=0,
-                   help="per head, the most sensitive key channels (calibrated) kept in fp16 (default 0)")
+    p.add_argument("--kv-key-channels", type=int,
+                   help="per head, the most sensitive key channels (calibrated) kept in fp16 (default 0; 2 at 3 bits)")
     p.add_argument("--kv-levels", choices=("uniform", "nf"), default="uniform",
                    help="uniform levels, or NF-style levels at normal quantiles (default uniform)")
 

@@ -100,18 +100,20 @@ class SimQuant:
         power: dict[int, torch.Tensor] = {}
         if self.config.key_channels == 0:
             return power, []
-        if arch.attention.q is None:
-            raise ConfigError(f"keeping key channels needs a separate query projection; {arch.family} fuses q, k "
-                              "and v: use key_channels=0")
+        # A fused projection (`qkv` in the family's table) puts the queries first.
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+        path = arch.attention.q or arch.attention.qkv
 
         def watch(index: int):
             def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-                square = output.detach().float()[0, self.config.sinks:].pow(2).mean(dim=0)
+                square = output.detach().float()[0, self.config.sinks:, :width].pow(2).mean(dim=0)
                 power[index] = power.get(index, 0) + square.cpu()
             return hook
 
         blocks = get_module(model, arch.blocks)
-        hooks = [get_module(block, arch.attention.q).register_forward_hook(watch(i)) for i, block in enumerate(blocks)]
+        hooks = [get_module(block, path).register_forward_hook(watch(i)) for i, block in enumerate(blocks)]
         return power, hooks
 
     def _sensitive_channels(self, query_power: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,

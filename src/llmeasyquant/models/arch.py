@@ -18,7 +18,8 @@ from llmeasyquant.errors import ConfigError
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Where queries, keys, values and the output projection live in a block (`qkv` when fused)."""
+    """Where queries, keys, values and the output projection live in a block (`qkv` when fused, its output
+    holding the queries first)."""
 
     q: str | None
     k: str | None

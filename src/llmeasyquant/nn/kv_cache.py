@@ -47,21 +47,34 @@ LEVELS = ("uniform", "nf")
 # and below each step counts and the outlier slots catch the stragglers.
 DEFAULT_KEY_MARGIN = {2: 1.0, 3: 1.0, 4: 1.0, 8: 2.0}
 
+# Defaults that depend on the bit width; a field left at None takes the entry for its bits, else BASE_DEFAULTS. At 3
+# bits the 4-bit defaults cost SmolLM2 +5% perplexity; key blocks of 16, three value outliers per 64 and two fp16 key
+# channels per head +2.3-2.7%, still in less memory than the 4-bit cache (docs/RESULTS.md). Key options follow the
+# key bits, the outlier share the value bits.
+BASE_DEFAULTS = {"outliers": 0.01, "key_block": 32, "key_channels": 0}
+BIT_DEFAULTS = {
+    "outliers": ("value_bits", {3: 0.047}),
+    "key_block": ("key_bits", {3: 16}),
+    "key_channels": ("key_bits", {3: 2}),
+}
+
 Rope = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (first, end) position -> cos, sin [end-first, D]
 
 
 @dataclass(frozen=True)
 class KVQuantConfig:
-    """How the cache quantizes. `outliers` is the share of each head vector kept apart in fp16 (0 for none);
+    """How the cache quantizes. Options left at None take their default for the bit width (BIT_DEFAULTS).
+    `outliers` is the share of each head vector kept apart in fp16 (0 for none);
     `key_axis` 'token' and `pre_rope` False exist for ablations; `momentum` and `segment` drive online key ranges
     (one snapshot of the tracked range per `segment` tokens)."""
 
     key_bits: int = 4
     value_bits: int = 4
-    outliers: float = 0.01
+    outliers: float | None = None  # None: 0.01, or BIT_DEFAULTS for the value bits
     sinks: int = 8
-    key_channels: int = 0  # per head, the calibrated most sensitive key channels, kept in fp16 for every token
-    key_block: int = 32  # keys coded per block of this many positions (0: each key on arrival)
+    # Per head, the calibrated most sensitive key channels, kept in fp16 for every token (None: 0, 2 at 3 bits).
+    key_channels: int | None = None
+    key_block: int | None = None  # keys coded per block of this many positions (0: each on arrival; None: 32, 16 at 3)
     key_margin: float | None = None  # key_block=0: range widening around its centre; None: DEFAULT_KEY_MARGIN
     key_axis: str = "channel"
     pre_rope: bool = True
@@ -74,6 +87,9 @@ class KVQuantConfig:
             if bits not in SUPPORTED_BITS:
                 raise ConfigError(f"unsupported KV-cache {what} bit width {bits!r}; choose one of "
                                   f"{', '.join(map(str, SUPPORTED_BITS))}")
+        for name, (bits_field, by_bits) in BIT_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, by_bits.get(getattr(self, bits_field), BASE_DEFAULTS[name]))
         if not 0.0 <= self.outliers < 0.5:
             raise ConfigError(f"the KV outlier share must lie in [0, 0.5), e.g. 0.01 for 1%; got {self.outliers}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
