@@ -73,6 +73,24 @@ COLUMNS = (("seqlen", "seqlen", "d"), ("cache", "cache", ""), ("ppl", "ppl", ".3
            ("eval s", "eval_s", ".1f"))
 
 
+def chosen_configs(parser: argparse.ArgumentParser, configs: str) -> list[str]:
+    """The names in a comma-separated --configs value; an unknown one ends the run with the known names."""
+    names = [n.strip() for n in configs.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown config(s) {unknown}; known: {', '.join(CONFIGS)}")
+    return names
+
+
+def model_text_calibration(samples: int) -> tuple:
+    """What every KV benchmark runs on: SmolLM2, WikiText-2 raw test, and calibration ids from the first `samples`
+    512-token chunks of WikiText-2 validation (with their source)."""
+    model, tokenizer = lq.load_model("smollm2-135m")
+    text = read_text_file(DATA / "wikitext-2-raw/wiki.test.raw")
+    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), model, tokenizer, samples, 512, 0)
+    return model, tokenizer, text, calib, source
+
+
 def cache_memory(model: torch.nn.Module, spec: lq.KVCacheSpec, ids: torch.Tensor) -> dict:
     """Bytes held after one forward pass over `ids`, quantized cache vs the unquantized one."""
     cache, plain = spec.new_cache(model), DynamicCache(config=model.config)
@@ -109,14 +127,8 @@ def main() -> int:
     parser.add_argument("--no-extras", action="store_true", help="skip the memory and generation checks")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_cache.json"))
     args = parser.parse_args()
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(CONFIGS))
-    if unknown:
-        parser.error(f"unknown config(s) {unknown}; known: {', '.join(CONFIGS)}")
-
-    model, tokenizer = lq.load_model("smollm2-135m")
-    text = read_text_file(DATA / "wikitext-2-raw/wiki.test.raw")
-    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), model, tokenizer, args.calib_samples, 512, 0)
+    names = chosen_configs(parser, args.configs)
+    model, tokenizer, text, calib, source = model_text_calibration(args.calib_samples)
     specs, ranges = {}, {}
     for name in names:
         options, calibrated = CONFIGS[name]

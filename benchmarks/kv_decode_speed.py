@@ -20,9 +20,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-import llmeasyquant as lq
-from kv_cache import CONFIGS, DATA
-from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from kv_cache import CONFIGS, chosen_configs, model_text_calibration
 from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.nn.kv_cache import KVQuantConfig
@@ -50,14 +48,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/kv_decode_speed.json")
     args = parser.parse_args()
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(CONFIGS))
-    if unknown:
-        parser.error(f"unknown config(s) {unknown}; known: {', '.join(CONFIGS)}")
-
-    model, tokenizer = lq.load_model("smollm2-135m")
-    text = read_text_file(DATA / "wikitext-2-raw/wiki.test.raw")
-    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), model, tokenizer, 16, 512, 0)
+    names = chosen_configs(parser, args.configs)
+    model, tokenizer, text, calib, source = model_text_calibration(16)
     caches: dict[str, Callable[[], Cache]] = {"fp": lambda: DynamicCache(config=model.config)}
     for name in names:
         options, calibrated = CONFIGS[name]

@@ -182,9 +182,13 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         mask = (1 << bits) - 1
         codes = torch.stack([(packed >> (i * bits)) & mask for i in range(8 // bits)], dim=-1)
         return codes.reshape(*packed.shape[:-1], -1)[..., :n]
-    chunks = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, bits)
-    word = (chunks << (torch.arange(bits, device=packed.device) * 8)).sum(dim=-1, keepdim=True)
-    codes = (word >> (torch.arange(8, device=packed.device) * bits)) & ((1 << bits) - 1)
+    # 8 codes in `bits` bytes, read as one word (int32 while it holds them: 3 bits) and split with scalar shifts.
+    chunks = packed.to(torch.int32 if 8 * bits < 32 else torch.int64).reshape(*packed.shape[:-1], -1, bits)
+    word = chunks[..., 0]
+    for i in range(1, bits):
+        word = word | (chunks[..., i] << (8 * i))
+    mask = (1 << bits) - 1
+    codes = torch.stack([(word >> (i * bits)) & mask for i in range(8)], dim=-1)
     return codes.to(torch.uint8).reshape(*packed.shape[:-1], -1)[..., :n]
 
 
