@@ -146,7 +146,9 @@ class KeyBlocks:
         batch, heads, _, dim = keys.shape
         b, h, t, d = outside.nonzero(as_tuple=True)
         position = (((t + self.coded) * batch + b) * heads + h) * dim + d
-        self.outlier_position = _positions(torch.cat((self.outlier_position.to(keys.device, torch.int64), position)))
+        # Token-major: the new positions are the largest so far, so if they fit int32 the stored ones do too.
+        position = _positions(position)
+        self.outlier_position = torch.cat((self.outlier_position.to(keys.device, position.dtype), position))
         self.outlier_values = torch.cat((self.outlier_values.to(keys.device), keys[b, h, t, d].half()))
 
     def _kept_mask(self, x: torch.Tensor) -> torch.Tensor:
