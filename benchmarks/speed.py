@@ -7,8 +7,10 @@ also at 512 tokens; `--repeats` interleaved rounds, medians; each thread count m
 model is RTN (no calibration: speed does not depend on the method), its LM head kept in float or quantized W8A16
 ("+ head"), q/k/v and gate/up fused into one GEMM each (`lq.fuse_shared_inputs`, as `bench` does). The baseline
 "fp32" runs on transformers' own forward; every other row on the lean decode loop (runtime/decoder.py), the fp32
-model too ("fp32 (lean)"), and one quantized model also on transformers' loop, so that what the loop gains and what
-the quantization gains show apart. Beside each:
+model too ("fp32 (lean)"), one quantized model also on transformers' loop, and two on the lean loop with its fused
+C++ operators off ("(lean, PyTorch operators)"), so that what the loop, the fused operators and the quantization
+gain show apart. How far one-token steps move the logits from one full forward (KL, top-1) is measured with and
+without the fused operators. Beside each:
 the bytes of weights a decoded token reads, the machine's read bandwidth and the decode speed it allows.
 Accuracy: perplexity on the first --max-windows 512-token windows with the kernels the registry measured fastest,
 with the integer operators at every row count, and with the reference kernel forced, to show what speed changes.
@@ -49,6 +51,9 @@ RUNS = (  # (row name, body scheme, LM head scheme or None)
     ("w4a16-g128 + head", "w4a16-g128", "w8a16"),
 )
 LOOP_COMPARED = "w8a8 + head"  # also timed on transformers' loop
+# Also timed on the lean loop with the fused C++ operators off (runtime "lean-pytorch"), to show their share.
+FUSED_COMPARED = ("w8a8 + head", "w4a16-g64-asym + head")
+PYTORCH_OPS = " (lean, PyTorch operators)"
 
 
 def quantized(name: str, body: str, head: str | None) -> torch.nn.Module:
@@ -93,6 +98,22 @@ def accuracy(models: dict[str, torch.nn.Module], windows: EvalWindows) -> dict[s
             _forget(model)
         with forced_kernel(model, "reference"):
             found[name]["ppl_reference_kernel"] = evaluate_windows({name: model}, windows, progress=False)[name]["ppl"]
+    return found
+
+
+@torch.no_grad()
+def decode_agreement(model: torch.nn.Module, ids: torch.Tensor, prompt_tokens: int = 128) -> dict[str, float]:
+    """How far one-token decode steps move the logits from one full forward over the same text (transformers'
+    loop, the kernels its row count selects): teacher-forced steps over ids [T] after a `prompt_tokens` prefill, on
+    the lean loop with the fused operators and without them. Mean KL(full || step) and top-1 agreement."""
+    full = torch.log_softmax(model(ids[None]).logits[0, prompt_tokens - 1 : -1].float(), dim=-1)
+    found = {}
+    for label, fused in (("fused", True), ("pytorch", False)):
+        decoder = lq.LeanDecoder(model, ids.shape[0], fused=fused)
+        logits = [decoder.prefill(ids[:prompt_tokens])] + [decoder.step(t) for t in ids[prompt_tokens:-1]]
+        steps = torch.log_softmax(torch.stack(logits).float(), dim=-1)
+        found[f"decode_kl_{label}"] = float((full.exp() * (full - steps)).sum(-1).mean())
+        found[f"decode_top1_{label}"] = float((full.argmax(-1) == steps.argmax(-1)).float().mean())
     return found
 
 
@@ -148,16 +169,21 @@ def main() -> int:
     prompt = tokenize(tokenizer, source.text)[:512].reshape(1, 512)
     models = {"fp32": base.eval(), **{name: quantized(name, body, head) for name, body, head in runs}}
     # The same objects again under another loop: their quality is the same, so it is measured once.
-    same_as = {"fp32 (lean)": "fp32", f"{LOOP_COMPARED} (transformers loop)": LOOP_COMPARED}
-    runtimes = {"fp32": "transformers", f"{LOOP_COMPARED} (transformers loop)": "transformers"}
+    same_as = {"fp32 (lean)": "fp32", f"{LOOP_COMPARED} (transformers loop)": LOOP_COMPARED,
+               **{name + PYTORCH_OPS: name for name in FUSED_COMPARED}}
+    runtimes = {"fp32": "transformers", f"{LOOP_COMPARED} (transformers loop)": "transformers",
+                **{name + PYTORCH_OPS: "lean-pytorch" for name in FUSED_COMPARED}}
     timed = {"fp32": models["fp32"], "fp32 (lean)": models["fp32"], **{k: v for k, v in models.items() if k != "fp32"}}
     if LOOP_COMPARED in models:
         timed[f"{LOOP_COMPARED} (transformers loop)"] = models[LOOP_COMPARED]
+    timed |= {name + PYTORCH_OPS: models[name] for name in FUSED_COMPARED if name in models}
     config = BenchConfig(threads=threads, repeats=args.repeats)
     rows = bench(timed, prompt, config, baseline="fp32", runtimes=runtimes)
     print("\n".join(summary_lines(rows)))
     windows = make_windows(tokenizer, source, 512, args.max_windows)
     quality = accuracy(models, windows)
+    for name, model in models.items():
+        quality[name] |= decode_agreement(model, prompt[0, :192])
     for row in rows:
         row |= quality[same_as.get(row["model"], row["model"])]
     llama_rows = []
@@ -187,7 +213,8 @@ def main() -> int:
             continue
         print(f"{row['model']:24s} {row['threads']} thr: ppl {row['ppl']:.4f} (integer kernels "
               f"{row['ppl_integer_kernels']:.4f}, reference kernel {row['ppl_reference_kernel']:.4f}), "
-              f"decode x{row['decode_speedup']:.2f}; kernels by rows {row['kernels_by_rows']}")
+              f"decode x{row['decode_speedup']:.2f}; kernels by rows {row['kernels_by_rows']}; decode steps vs one "
+              f"forward: KL {row['decode_kl_fused']:.5f} fused, {row['decode_kl_pytorch']:.5f} PyTorch operators")
     protocol = {"batch": 1, "prompt": f"first tokens of {source.description}", "prompt_tokens": 128,
                 "new_tokens": 64, "prefill_tokens": 512, "repeats": args.repeats, "threads": list(threads),
                 "greedy": True, "accuracy_windows": windows.protocol}

@@ -27,7 +27,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--text", type=Path, help="take the prompt from this text file (default: seeded random tokens)")
     b.add_argument("--no-breakdown", action="store_true", help="skip the profiled latency breakdown")
     b.add_argument("--runtime", choices=RUNTIMES, default="auto", help="decode loop for the measured model: 'lean' "
-                   "(static KV cache, short operator path; llama-like families), 'transformers' (its own forward) or "
+                   "(static KV cache, short operator path, fused C++ operators; llama-like families), 'lean-pytorch' "
+                   "(the same loop on PyTorch operators only), 'transformers' (its own forward) or "
                    "'auto' (lean where the family has it, else transformers; the default). The float baseline runs "
                    "on transformers and, when the measured model runs lean, on the lean loop too, so the gain of "
                    "the loop and of the quantization show apart")

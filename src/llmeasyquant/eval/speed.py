@@ -27,7 +27,7 @@ GEMM_OPS = frozenset({
 SCOPES = {"load": LOAD_WEIGHTS, "quant": QUANTIZE_ACTIVATIONS}
 
 
-RUNTIMES = ("auto", "lean", "transformers")
+RUNTIMES = ("auto", "lean", "lean-pytorch", "transformers")  # lean-pytorch: the lean loop without fused operators
 
 
 def resolve_runtime(model: nn.Module, runtime: str) -> str:
@@ -50,13 +50,15 @@ def _fill_cache(model: nn.Module, prompt: torch.Tensor) -> object:
 
 class Greedy:
     """Greedy batch-1 generation on one runtime: "transformers" (the model's own forward and cache), "lean"
-    (runtime/decoder.py: a static cache and a short operator path) or "auto" (lean where it applies). Built
+    (runtime/decoder.py: a static cache, a short operator path and the fused C++ operators where they build),
+    "lean-pytorch" (the same loop on PyTorch operators only) or "auto" (lean where it applies). Built
     before timing starts, so that only the prefill and the steps are timed."""
 
     def __init__(self, model: nn.Module, runtime: str, max_tokens: int) -> None:
         runtime = resolve_runtime(model, runtime)
         self.model, self.runtime = model, runtime
-        self.decoder = LeanDecoder(model, max_tokens) if runtime == "lean" else None
+        lean = runtime.startswith("lean")
+        self.decoder = LeanDecoder(model, max_tokens, fused=runtime == "lean") if lean else None
         self.past: object = None
 
     @torch.no_grad()

@@ -1,0 +1,69 @@
+"""The fused C++ decode operators (native/decode_ops.cpp), compiled on first use.
+
+PyTorch compiles the file with the machine's C++ compiler through `torch.utils.cpp_extension` (needs a compiler,
+Python's headers and the `ninja` package) and caches the build, so only the first process on a machine waits for it
+(some 20-40 seconds). Instruction-set flags follow the CPU capability PyTorch detected, and the capability is part of
+the build's name, so a cache is never shared between machines that differ in it.
+
+`ops()` returns the loaded module, or None where it cannot be built (the reason is logged once) or where
+`LLMEASYQUANT_NATIVE=0` turns it off; callers then run the eager PyTorch path, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "decode_ops.cpp"
+# torch.backends.cpu.get_cpu_capability() -> instruction-set flags; CPU_CAPABILITY_* selects the width of ATen's
+# Vectorized<float>, which the operators use (and its exp, which PyTorch's own kernels use too).
+_FLAGS_BY_CAPABILITY = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
+}
+
+
+def enabled() -> bool:
+    return os.environ.get("LLMEASYQUANT_NATIVE", "1") != "0"
+
+
+@functools.cache
+def _build() -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    capability = torch.backends.cpu.get_cpu_capability()
+    known = capability if capability in _FLAGS_BY_CAPABILITY else "DEFAULT"
+    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", f"-DCPU_CAPABILITY={known}",
+             *_FLAGS_BY_CAPABILITY.get(known, [])]
+    log.info("loading the fused decode operators for %s (compiled on first use, once per machine)", known)
+    try:
+        return cpp_extension.load(name=f"llmeasyquant_decode_ops_{known.lower()}", sources=[str(SOURCE)],
+                                  extra_cflags=flags, verbose=False)
+    except Exception as error:  # no compiler, no headers, no ninja: the eager path computes the same thing
+        log.warning("the fused decode operators could not be built (%s: %s); decoding runs on PyTorch operators. "
+                    "Install a C++ compiler and the ninja package to enable them", type(error).__name__, error)
+        return None
+
+
+def _put_ninja_on_path() -> None:
+    """PyTorch runs `ninja` from PATH; the pip package's binary is not on it when the environment is not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def ops() -> ModuleType | None:
+    """The compiled operators, or None (off, or not buildable here)."""
+    return _build() if enabled() else None

@@ -1,0 +1,151 @@
+"""The fused C++ decode operators (kernels/native.py) against the PyTorch operators they replace, and the decode
+paths that use them against the paths that do not."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.test_decoder import FAMILIES, family_model, prompt
+
+import llmeasyquant as lq
+from llmeasyquant import LeanDecoder
+from llmeasyquant.kernels import forced_kernel, native
+from llmeasyquant.kernels.cpu import quantize_rows_symmetric
+from llmeasyquant.primitives import MIN_SCALE
+from llmeasyquant.runtime.decoder import _rotate_half
+
+if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler on this machine: the fused operators cannot be built, decoding runs on PyTorch "
+                "operators", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = native.ops()
+    assert built is not None, "a compiler is present, so the fused operators must build (see the log for why not)"
+    return built
+
+
+def rows(count: int, width: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(count, width, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("count", [1, 3, 16])
+@pytest.mark.parametrize("width", [64, 576, 1000])
+def test_quantize_rows_is_bit_identical(ops, count, width):
+    x = rows(count, width)
+    x[0, :5] = torch.tensor([0.5, -0.5, 1.5, -2.5, 0.0]) * x[0].abs().max() / 127  # ties: rounded to even
+    if count > 1:
+        x[1] = 0.0  # an all-zero row takes the minimum scale
+    codes, scales = ops.quantize_rows(x, MIN_SCALE)
+    expected_codes, expected_scales = quantize_rows_symmetric(x)
+    assert torch.equal(codes, expected_codes)
+    assert torch.equal(scales, expected_scales)
+
+
+def test_dequantize_rows_is_bit_identical(ops):
+    acc = torch.randint(-2**24, 2**24, (4, 300), dtype=torch.int32)
+    row_scales, column_scales = torch.rand(4, 1), torch.rand(300)
+    assert torch.equal(ops.dequantize_rows(acc, row_scales, column_scales), torch.mul(acc, row_scales) * column_scales)
+
+
+def test_rms_norm_and_silu_mul_match_pytorch(ops):
+    x, weight = rows(3, 576), torch.randn(576)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), F.rms_norm(x, (576,), weight, 1e-6))
+    gate_up = rows(2, 2 * 96)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
+    torch.testing.assert_close(ops.rms_norm(x.t().contiguous().t(), weight, 1e-6), ops.rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_rope_store_rotates_and_writes_the_cache(ops, with_norms):
+    heads, kv_heads, dim, max_tokens, pos = 6, 2, 16, 10, 7
+    qkv = rows(1, (heads + 2 * kv_heads) * dim)
+    cos, sin = torch.randn(dim), torch.randn(dim)
+    keys, values = torch.zeros(kv_heads, max_tokens, dim), torch.zeros(kv_heads, max_tokens, dim)
+    q_norm, k_norm = (torch.randn(dim), torch.randn(dim)) if with_norms else (None, None)
+    queries = ops.rope_store(qkv, cos, sin, keys, values, pos, heads, q_norm, k_norm, 1e-6, 1e-5)
+
+    qk = qkv[0, : (heads + kv_heads) * dim].view(heads + kv_heads, dim)
+    if with_norms:
+        qk = torch.cat((F.rms_norm(qk[:heads], (dim,), q_norm, 1e-6), F.rms_norm(qk[heads:], (dim,), k_norm, 1e-5)))
+    qk = qk * cos + _rotate_half(qk) * sin
+    torch.testing.assert_close(queries, qk[:heads])
+    torch.testing.assert_close(keys[:, pos], qk[heads:])
+    assert torch.equal(values[:, pos], qkv[0, (heads + kv_heads) * dim:].view(kv_heads, dim))
+    assert keys[:, :pos].abs().sum() == 0 and values[:, pos + 1:].abs().sum() == 0  # nothing else written
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rope_store(qkv, cos, sin, keys, values, max_tokens, heads, None, None, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (8, 2, 80), (4, 1, 128)])
+@pytest.mark.parametrize("length", [1, 37, 700])
+def test_decode_attention_matches_sdpa(ops, heads, kv_heads, dim, length):
+    queries = rows(heads, dim, seed=1)
+    keys, values = rows(kv_heads * 800, dim, seed=2).view(kv_heads, 800, dim), torch.randn(kv_heads, 800, dim)
+    found = ops.decode_attention(queries, keys, values, length, dim**-0.5)
+    expected = F.scaled_dot_product_attention(queries[None, :, None], keys[None, :, :length], values[None, :, :length],
+                                              scale=dim**-0.5, enable_gqa=True)  # [1, heads, 1, dim]
+    assert found.shape == (1, heads * dim)
+    torch.testing.assert_close(found, expected.reshape(1, heads * dim), atol=1e-5, rtol=1e-4)
+
+
+def test_bad_inputs_are_refused(ops):
+    with pytest.raises(RuntimeError, match="must be Float"):
+        ops.rms_norm(torch.zeros(1, 8, dtype=torch.float16), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="rows of 8 values"):
+        ops.rms_norm(torch.zeros(1, 8), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="do not group"):
+        ops.decode_attention(torch.zeros(3, 16), torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), 2, 1.0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_steps_match_pytorch_steps(ops, family):
+    model = family_model(family)
+    found = {}
+    for fused in (True, False):
+        decoder = LeanDecoder(model, 40, fused=fused)
+        assert (decoder.fused_ops is not None) == fused
+        logits = [decoder.prefill(prompt())] + [decoder.step(torch.tensor(t)) for t in (5, 17, 250, 3, 99)]
+        found[fused] = torch.stack(logits)
+    torch.testing.assert_close(found[True], found[False], atol=2e-5, rtol=1e-4)
+
+
+def test_fused_steps_are_refused_where_not_covered(ops, monkeypatch):
+    model = family_model("llama")
+    assert LeanDecoder(model.to(torch.bfloat16), 8).fused_ops is None  # the operators work on fp32 rows
+    model = family_model("llama")
+    model.config.hidden_act = "gelu"  # they compute SiLU
+    assert LeanDecoder(model, 8).fused_ops is None
+    monkeypatch.setenv("LLMEASYQUANT_NATIVE", "0")
+    assert native.ops() is None
+    assert LeanDecoder(family_model("llama"), 8).fused_ops is None
+
+
+@pytest.mark.parametrize("count", [1, 5, 16, 17])
+def test_w8a8_kernel_is_bit_identical_with_and_without_them(ops, monkeypatch, count):
+    model = lq.quantize(family_model("llama"), lq.RTN(), lq.parse_scheme("w8a8"), progress=False)
+    layer = model.model.layers[0].mlp.down_proj
+    x = rows(count, layer.in_features)
+    with forced_kernel(model, "cpu_int_mm_w8a8"), torch.no_grad():
+        fused = layer(x)
+        monkeypatch.setenv("LLMEASYQUANT_NATIVE", "0")
+        assert torch.equal(layer(x), fused)
+
+
+def test_lean_pytorch_runtime_steps_without_them(ops):
+    from llmeasyquant.eval.speed import Greedy
+
+    model, ids = family_model("llama"), prompt(12)
+    chosen = {}
+    for runtime in ("lean", "lean-pytorch"):
+        run = Greedy(model, runtime, 20)
+        assert (run.decoder.fused_ops is not None) == (runtime == "lean")
+        tokens = [run.prefill(ids)]
+        tokens += [run.step(tokens[-1]) for _ in range(6)]
+        chosen[runtime] = torch.stack(tokens)
+    assert torch.equal(chosen["lean"], chosen["lean-pytorch"])
