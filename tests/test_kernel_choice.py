@@ -15,6 +15,8 @@ INT8PACK, INT_MM, REFERENCE = "cpu_int8pack_w8a16", "cpu_int_mm_w8a8", "referenc
 @pytest.fixture(autouse=True)
 def _measured(monkeypatch):
     monkeypatch.setenv("LLMEASYQUANT_KERNEL_CHOICE", "measured")
+    # The choice logic with PyTorch's kernels as candidates; tests/test_native_ops.py adds the fused-operator one.
+    monkeypatch.setenv("LLMEASYQUANT_NATIVE", "0")
     monkeypatch.delenv("LLMEASYQUANT_KERNEL", raising=False)
     choice.forget_choices()
     yield

@@ -12,7 +12,7 @@ from tests.test_decoder import FAMILIES, family_model, prompt
 
 import llmeasyquant as lq
 from llmeasyquant import LeanDecoder
-from llmeasyquant.kernels import forced_kernel, native
+from llmeasyquant.kernels import candidates, forced_kernel, native
 from llmeasyquant.kernels.cpu import quantize_rows_symmetric
 from llmeasyquant.primitives import MIN_SCALE
 from llmeasyquant.runtime.decoder import _rotate_half
@@ -149,3 +149,22 @@ def test_lean_pytorch_runtime_steps_without_them(ops):
         tokens += [run.step(tokens[-1]) for _ in range(6)]
         chosen[runtime] = torch.stack(tokens)
     assert torch.equal(chosen["lean"], chosen["lean-pytorch"])
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a16-asym", "w8a16-pt"])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (100, 7), (48, 1)])
+@pytest.mark.parametrize("count", [1, 3, 40])
+def test_int8_weight_matmul_kernel_matches_the_reference_in_fp32(ops, scheme, in_features, out_features, count):
+    """W8A16 on the fused int8-weight matmul: the registry's first choice, any width, equal to the dequantize-GEMM
+    reference to fp32 rounding (PyTorch's int8 operator is 1e-3 away: bf16 activations and outputs)."""
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(5)) * 0.05
+    layer = lq.QuantLinear.from_weight(weight, torch.randn(out_features), lq.parse_scheme(scheme))
+    assert [k.name for k in candidates(layer)][:1] == ["cpu_native_w8a16"]
+    x = rows(count, in_features)
+    with forced_kernel(layer, "cpu_native_w8a16"), torch.no_grad():
+        found = layer(x)
+    with forced_kernel(layer, "reference"), torch.no_grad():
+        expected = layer(x)
+    torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="share in"):
+        ops.int8_weight_matmul(x[:, :-1], layer.qweight, torch.ones(out_features))

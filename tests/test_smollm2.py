@@ -14,6 +14,7 @@ from llmeasyquant.calibration.data import read_text_file
 from llmeasyquant.cli import main
 from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
 from llmeasyquant.export.checkpoint import bits_per_weight
+from llmeasyquant.kernels import native
 
 WIKI_TEST = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
@@ -55,7 +56,8 @@ def test_rtn_schemes_run_on_integer_kernels_and_stay_close(smollm2, windows, tmp
 
     base, tokenizer = smollm2
     candidates = {}
-    for name, kernel in [("w8a16", "cpu_int8pack_w8a16"), ("w8a8", "cpu_int_mm_w8a8"),
+    w8a16_kernel = "cpu_native_w8a16" if native.ops() is not None else "cpu_int8pack_w8a16"
+    for name, kernel in [("w8a16", w8a16_kernel), ("w8a8", "cpu_int_mm_w8a8"),
                          ("w4a16-g128-asym", "cpu_int4pack_w4a16")]:
         model = lq.quantize(copy.deepcopy(base), lq.RTN(), lq.parse_scheme(name), progress=False)
         layers = [m for m in model.modules() if isinstance(m, lq.QuantLinear)]

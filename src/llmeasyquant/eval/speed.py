@@ -15,13 +15,13 @@ import time
 import torch
 from torch import nn
 
-from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS
+from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS
 from llmeasyquant.models.arch import arch_for
 from llmeasyquant.runtime.decoder import LeanDecoder
 
 GEMM_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm", "aten::_weight_int8pack_mm",
-    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::_weight_int4pack_mm_for_cpu", NATIVE_GEMM,
 })
 # Scopes the kernels open (kernels/scopes.py): their inclusive time minus the GEMMs inside them.
 SCOPES = {"load": LOAD_WEIGHTS, "quant": QUANTIZE_ACTIVATIONS}

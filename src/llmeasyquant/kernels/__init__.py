@@ -15,7 +15,12 @@ from typing import Any
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.kernels import choice
-from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel, Int8DynamicActKernel, Int8WeightOnlyKernel
+from llmeasyquant.kernels.cpu import (
+    Int4WeightOnlyKernel,
+    Int8DynamicActKernel,
+    Int8WeightOnlyKernel,
+    NativeInt8WeightOnlyKernel,
+)
 from llmeasyquant.kernels.reference import ReferenceKernel
 from llmeasyquant.kernels.triton import TritonW4A16Kernel, TritonW8A8Kernel
 
@@ -23,7 +28,8 @@ log = logging.getLogger(__name__)
 
 REFERENCE = ReferenceKernel()
 KERNELS_BY_DEVICE: dict[str, list[Any]] = {
-    "cpu": [Int8DynamicActKernel(), Int8WeightOnlyKernel(), Int4WeightOnlyKernel()],
+    # The fused-operator W8A16 kernel first: fp32 results; it is offered only where kernels/native.py builds.
+    "cpu": [Int8DynamicActKernel(), NativeInt8WeightOnlyKernel(), Int8WeightOnlyKernel(), Int4WeightOnlyKernel()],
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }

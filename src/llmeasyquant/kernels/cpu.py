@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmeasyquant.kernels import native
-from llmeasyquant.kernels.scopes import QUANTIZE_ACTIVATIONS, scope
+from llmeasyquant.kernels.scopes import NATIVE_GEMM, QUANTIZE_ACTIVATIONS, scope
 from llmeasyquant.primitives import MIN_SCALE, quantize
 from llmeasyquant.scheme import PerChannel, PerTensor, PerToken
 
@@ -112,6 +112,25 @@ class Int8WeightOnlyKernel:
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         acc = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, prepared["ones"])
         y = torch.mul(acc, prepared["scale"][None, :])  # promoted to fp32: float(acc) * scale, one operation
+        if "zero_times_scale" in prepared:
+            y = y - x.sum(dim=1, keepdim=True) * prepared["zero_times_scale"][None, :]
+        return y
+
+
+class NativeInt8WeightOnlyKernel(Int8WeightOnlyKernel):
+    """W8A16 on the int8-weight matmul of kernels/native.py: codes widened to fp32 in registers, fp32 activations and
+    sums, so it equals the reference kernel to float rounding (no bf16 step), any input width. Offered where the
+    fused operators build; the measured choice runs it where it is the fastest (decode, on the reference machine)."""
+
+    name = "cpu_native_w8a16"
+
+    def supports(self, layer) -> bool:
+        return (layer.scheme.bits == 8 and layer.scheme.act is None and _per_row_weights(layer)
+                and native.ops() is not None)
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        with scope(NATIVE_GEMM):
+            y = native.ops().int8_weight_matmul(x, layer.qweight, prepared["scale"])
         if "zero_times_scale" in prepared:
             y = y - x.sum(dim=1, keepdim=True) * prepared["zero_times_scale"][None, :]
         return y

@@ -42,12 +42,14 @@ def _build() -> ModuleType | None:
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
     known = capability if capability in _FLAGS_BY_CAPABILITY else "DEFAULT"
-    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", f"-DCPU_CAPABILITY={known}",
+    # -fopenmp: at::parallel_for is OpenMP in PyTorch's CPU build and is compiled into the caller; without it
+    # every parallel loop here would run on one thread.
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DCPU_CAPABILITY={known}",
              *_FLAGS_BY_CAPABILITY.get(known, [])]
     log.info("loading the fused decode operators for %s (compiled on first use, once per machine)", known)
     try:
         return cpp_extension.load(name=f"llmeasyquant_decode_ops_{known.lower()}", sources=[str(SOURCE)],
-                                  extra_cflags=flags, verbose=False)
+                                  extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, no ninja: the eager path computes the same thing
         log.warning("the fused decode operators could not be built (%s: %s); decoding runs on PyTorch operators. "
                     "Install a C++ compiler and the ninja package to enable them", type(error).__name__, error)

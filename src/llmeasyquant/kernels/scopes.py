@@ -9,6 +9,7 @@ import torch
 
 LOAD_WEIGHTS = "llmeasyquant::load_weights"
 QUANTIZE_ACTIVATIONS = "llmeasyquant::quantize_activations"
+NATIVE_GEMM = "llmeasyquant::native_gemm"  # a GEMM of kernels/native.py, which the profiler sees as no ATen op
 LAYER_SCOPE = "llmeasyquant::layer::"  # + the layer's name in its block: one quantized layer's whole forward
 
 

@@ -3,13 +3,16 @@
 // A decode step of a small model is bound by operator count, not by arithmetic: each PyTorch operator costs
 // 1-3 us of dispatch and allocation whatever its size, and a block runs dozens of them around its four GEMMs.
 // Each function here does in one call, in plain loops over contiguous fp32 rows, what the eager decode loop
-// does in several operators. The GEMMs themselves stay PyTorch's integer operators.
+// does in several operators. The GEMMs stay PyTorch's integer operators, but for one: the W8A16 matmul at the end,
+// which keeps fp32 activations where PyTorch's int8 operator rounds them to bf16.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -79,6 +82,43 @@ void weighted_sums(const float* weights, int64_t sums, const float* rows, int64_
     }
   }
   for (int64_t k = 0; k < sums * vecs; ++k) acc[k].store(out + k * Vec::size());
+}
+
+// sums[j] = sum_i float(w[j * stride + i]) * x[i] for kWeightRows rows of int8 weights: the int8 codes widened to
+// fp32 in registers (exact), fp32 products and sums. Four rows share each load of x.
+constexpr int64_t kWeightRows = 4;
+void int8_dot_rows(const int8_t* w, int64_t stride, const float* x, int64_t width, float* sums) {
+  int64_t i = 0;
+  for (int64_t j = 0; j < kWeightRows; ++j) sums[j] = 0.0f;
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 acc[kWeightRows];
+  for (int64_t j = 0; j < kWeightRows; ++j) acc[j] = _mm512_setzero_ps();
+  for (; i + 16 <= width; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int64_t j = 0; j < kWeightRows; ++j) {
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * stride + i));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, acc[j]);
+    }
+  }
+  for (int64_t j = 0; j < kWeightRows; ++j) sums[j] = _mm512_reduce_add_ps(acc[j]);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 acc[kWeightRows];
+  for (int64_t j = 0; j < kWeightRows; ++j) acc[j] = _mm256_setzero_ps();
+  for (; i + 8 <= width; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int64_t j = 0; j < kWeightRows; ++j) {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * stride + i));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), xv, acc[j]);
+    }
+  }
+  for (int64_t j = 0; j < kWeightRows; ++j) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[j]);
+    for (float lane : lanes) sums[j] += lane;
+  }
+#endif
+  for (; i < width; ++i)
+    for (int64_t j = 0; j < kWeightRows; ++j) sums[j] += static_cast<float>(w[j * stride + i]) * x[i];
 }
 
 // Rotary embedding of one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
@@ -262,7 +302,44 @@ at::Tensor dequantize_rows(const at::Tensor& acc_in, const at::Tensor& row_scale
   return out;
 }
 
+// x [rows, in] fp32 times int8 weights q [out, in] (per-output-channel codes) scaled by scales [out]:
+// y[r, o] = scales[o] * sum_i q[o, i] * x[r, i], in fp32 throughout. For W8A16 decode: PyTorch's int8 operator
+// takes bf16 activations and rounds its output to bf16; this one keeps fp32 and streams the weights as fast.
+at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  const at::Tensor q = input(q_in, at::kChar, "q");
+  const at::Tensor scales = input(scales_in, at::kFloat, "scales");
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "x [rows, in] and q [out, in] must share in");
+  TORCH_CHECK(scales.numel() == q.size(0), "scales must have one value per output channel");
+  const int64_t rows = x.size(0), width = x.size(1), out = q.size(0);
+  at::Tensor y = at::empty({rows, out}, x.options());
+  const float* px = x.data_ptr<float>();
+  const int8_t* pq = q.data_ptr<int8_t>();
+  const float* ps = scales.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  const int64_t blocks = (out + kWeightRows - 1) / kWeightRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    float sums[kWeightRows];
+    std::vector<int8_t> last;  // a last block of fewer rows, zero-padded to kWeightRows
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * kWeightRows, count = std::min(kWeightRows, out - first);
+      const int8_t* w = pq + first * width;
+      if (count < kWeightRows) {
+        last.assign(kWeightRows * width, 0);
+        std::copy_n(w, count * width, last.data());
+        w = last.data();
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        int8_dot_rows(w, width, px + r * width, width, sums);
+        for (int64_t j = 0; j < count; ++j) py[r * out + first + j] = sums[j] * ps[first + j];
+      }
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_weight_matmul", &int8_weight_matmul);
   m.def("rms_norm", &rms_norm);
   m.def("rope_store", &rope_store);
   m.def("decode_attention", &decode_attention);
