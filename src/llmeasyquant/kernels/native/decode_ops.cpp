@@ -12,7 +12,9 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -85,15 +87,24 @@ void weighted_sums(const float* weights, int64_t sums, const float* rows, int64_
 }
 
 // sums[j] = sum_i float(w[j * stride + i]) * x[i] for kWeightRows rows of int8 weights: the int8 codes widened to
-// fp32 in registers (exact), fp32 products and sums. Four rows share each load of x.
+// fp32 in registers (exact), fp32 products and sums. Four rows share each load of x. `next` (the rows that follow,
+// or null) is prefetched a cache line at a time: decode reads every weight once, from memory, and the hardware
+// prefetcher alone left a third of the bandwidth unused.
 constexpr int64_t kWeightRows = 4;
-void int8_dot_rows(const int8_t* w, int64_t stride, const float* x, int64_t width, float* sums) {
+constexpr int64_t kCacheLine = 64;
+void prefetch_rows(const int8_t* next, int64_t stride, int64_t i) {
+  if (next != nullptr && i % kCacheLine == 0)
+    for (int64_t j = 0; j < kWeightRows; ++j) __builtin_prefetch(next + j * stride + i, 0, 3);
+}
+
+void int8_dot_rows(const int8_t* w, const int8_t* next, int64_t stride, const float* x, int64_t width, float* sums) {
   int64_t i = 0;
   for (int64_t j = 0; j < kWeightRows; ++j) sums[j] = 0.0f;
 #if defined(CPU_CAPABILITY_AVX512)
   __m512 acc[kWeightRows];
   for (int64_t j = 0; j < kWeightRows; ++j) acc[j] = _mm512_setzero_ps();
   for (; i + 16 <= width; i += 16) {
+    prefetch_rows(next, stride, i);
     const __m512 xv = _mm512_loadu_ps(x + i);
     for (int64_t j = 0; j < kWeightRows; ++j) {
       const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * stride + i));
@@ -105,6 +116,7 @@ void int8_dot_rows(const int8_t* w, int64_t stride, const float* x, int64_t widt
   __m256 acc[kWeightRows];
   for (int64_t j = 0; j < kWeightRows; ++j) acc[j] = _mm256_setzero_ps();
   for (; i + 8 <= width; i += 8) {
+    prefetch_rows(next, stride, i);
     const __m256 xv = _mm256_loadu_ps(x + i);
     for (int64_t j = 0; j < kWeightRows; ++j) {
       const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * stride + i));
@@ -329,8 +341,10 @@ at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, co
         std::copy_n(w, count * width, last.data());
         w = last.data();
       }
+      // The next block's rows, where this thread goes on to them; a short last block is never read past.
+      const int8_t* next = b + 1 < end && first + 2 * kWeightRows <= out ? w + kWeightRows * width : nullptr;
       for (int64_t r = 0; r < rows; ++r) {
-        int8_dot_rows(w, width, px + r * width, width, sums);
+        int8_dot_rows(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
         for (int64_t j = 0; j < count; ++j) py[r * out + first + j] = sums[j] * ps[first + j];
       }
     }
