@@ -35,6 +35,7 @@ import torch
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import read_text_file, tokenize
 from llmeasyquant.eval.bench import BenchConfig, bench, memory_bandwidth_gbs, summary_lines
+from llmeasyquant.eval.fidelity import kl_sum, top1_matches
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
 from llmeasyquant.eval.report import record, write_json
 from llmeasyquant.kernels import forced_kernel
@@ -112,8 +113,8 @@ def decode_agreement(model: torch.nn.Module, ids: torch.Tensor, prompt_tokens: i
         decoder = lq.LeanDecoder(model, ids.shape[0], fused=fused)
         logits = [decoder.prefill(ids[:prompt_tokens])] + [decoder.step(t) for t in ids[prompt_tokens:-1]]
         steps = torch.log_softmax(torch.stack(logits).float(), dim=-1)
-        found[f"decode_kl_{label}"] = float((full.exp() * (full - steps)).sum(-1).mean())
-        found[f"decode_top1_{label}"] = float((full.argmax(-1) == steps.argmax(-1)).float().mean())
+        found[f"decode_kl_{label}"] = kl_sum(full, steps) / full.shape[0]
+        found[f"decode_top1_{label}"] = top1_matches(full, steps) / full.shape[0]
     return found
 
 

@@ -168,3 +168,13 @@ def test_int8_weight_matmul_kernel_matches_the_reference_in_fp32(ops, scheme, in
     torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="share in"):
         ops.int8_weight_matmul(x[:, :-1], layer.qweight, torch.ones(out_features))
+
+
+def test_a_chosen_native_kernel_survives_the_switch_turned_off(ops, monkeypatch):
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    layer = lq.QuantLinear.from_weight(weight, None, lq.parse_scheme("w8a16"))
+    x = rows(1, 64)
+    with forced_kernel(layer, "cpu_native_w8a16"), torch.no_grad():
+        before = layer(x)
+        monkeypatch.setenv("LLMEASYQUANT_NATIVE", "0")
+        assert torch.equal(layer(x), before)

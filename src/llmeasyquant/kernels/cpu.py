@@ -112,6 +112,10 @@ class Int8WeightOnlyKernel:
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         acc = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, prepared["ones"])
         y = torch.mul(acc, prepared["scale"][None, :])  # promoted to fp32: float(acc) * scale, one operation
+        return self._minus_zero_term(y, x, prepared)
+
+    @staticmethod
+    def _minus_zero_term(y: torch.Tensor, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         if "zero_times_scale" in prepared:
             y = y - x.sum(dim=1, keepdim=True) * prepared["zero_times_scale"][None, :]
         return y
@@ -129,11 +133,9 @@ class NativeInt8WeightOnlyKernel(Int8WeightOnlyKernel):
                 and native.ops() is not None)
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
-        with scope(NATIVE_GEMM):
-            y = native.ops().int8_weight_matmul(x, layer.qweight, prepared["scale"])
-        if "zero_times_scale" in prepared:
-            y = y - x.sum(dim=1, keepdim=True) * prepared["zero_times_scale"][None, :]
-        return y
+        with scope(NATIVE_GEMM):  # built(): a layer that chose this kernel keeps it if the switch is turned off later
+            y = native.built().int8_weight_matmul(x, layer.qweight, prepared["scale"])
+        return self._minus_zero_term(y, x, prepared)
 
 
 @dataclass(frozen=True)

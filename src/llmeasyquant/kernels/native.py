@@ -69,3 +69,11 @@ def _put_ninja_on_path() -> None:
 def ops() -> ModuleType | None:
     """The compiled operators, or None (off, or not buildable here)."""
     return _build() if enabled() else None
+
+
+def built() -> ModuleType:
+    """The compiled operators whatever the switch says, for a kernel already chosen while they were on."""
+    module = _build()
+    if module is None:
+        raise RuntimeError("the fused decode operators are not built on this machine (see the log for why)")
+    return module
