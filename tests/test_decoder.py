@@ -97,12 +97,13 @@ def test_greedy_tokens_equal_transformers_generate():
         decoder.generate(ids, 0)
 
 
-def test_prefill_in_chunks_equals_one_prefill():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-operators", "pytorch-operators"])
+def test_prefill_in_chunks_equals_one_prefill(fused):
     """A chunk after a cached prefix sees the prefix and the chunk's earlier positions only (the mask path)."""
     model = family_model("qwen2")
     ids = prompt(24)
-    whole = LeanDecoder(model, 24).prefill(ids)
-    chunked = LeanDecoder(model, 24)
+    whole = LeanDecoder(model, 24, fused=fused).prefill(ids)
+    chunked = LeanDecoder(model, 24, fused=fused)
     chunked.prefill(ids[:, :10])
     torch.testing.assert_close(chunked.prefill(ids[:, 10:]), whole, atol=2e-5, rtol=1e-4)
 

@@ -28,6 +28,11 @@ INT_MM, INT8PACK, INT4PACK, REFERENCE = "cpu_int_mm_w8a8", "cpu_int8pack_w8a16",
 NATIVE_W8 = "cpu_native_w8a16" if native.ops() is not None else None
 W8_WIDE = NATIVE_W8 or INT8PACK  # the choice for widths that are multiples of 16
 W8_ODD = NATIVE_W8 or REFERENCE  # for other widths
+# W4A16 likewise: the fused operators' kernel (any even group, or one group a row), else PyTorch's int4 operator
+# (groups 32-256, or per channel), else the reference. 2- and 3-bit codes go to the int4 operator.
+NATIVE_W4 = "cpu_native_w4a16" if native.ops() is not None else None
+W4 = NATIVE_W4 or INT4PACK
+W4_OTHER_GROUP = NATIVE_W4 or REFERENCE
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +73,7 @@ def expected_kernel(scheme_name: str, in_features: int) -> str:
         return INT_MM
     if scheme_name in ("w8a16", "w8a16-asym"):
         return W8_WIDE if in_features % 16 == 0 else W8_ODD
-    return INT4PACK
+    return W4 if scheme_name.startswith("w4") else INT4PACK
 
 
 def rel_rms_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -143,16 +148,17 @@ def test_reference_kernel_is_close_to_the_float_layer(scheme_name):
         ("w8a16-g128", 64, W8_WIDE),  # one group covers the whole row
         ("w8a16-g64", 576, REFERENCE),
         ("w8a8-g64", 576, REFERENCE),
-        ("w4a16-g32", 576, INT4PACK),
-        ("w4a16-g64", 100, INT4PACK),
-        ("w4a16-g128", 576, INT4PACK),
-        ("w4a16-g256", 576, INT4PACK),
-        ("w4a16", 100, INT4PACK),
-        ("w4a16-pt", 64, INT4PACK),
+        ("w4a16-g32", 576, W4),
+        ("w4a16-g64", 100, W4),
+        ("w4a16-g128", 576, W4),
+        ("w4a16-g256", 576, W4),
+        ("w4a16", 100, W4),
+        ("w4a16-pt", 64, W4),
         ("w3a16-g32", 48, INT4PACK),
         ("w2a16-g64-asym", 576, INT4PACK),
-        ("w4a16-g16", 576, REFERENCE),
-        ("w4a16-g48", 576, REFERENCE),
+        ("w4a16-g16", 576, W4_OTHER_GROUP),
+        ("w4a16-g48", 576, W4_OTHER_GROUP),
+        ("w4a16-g33", 576, REFERENCE),  # an odd group starts mid-byte
         ("w4a8-g128", 576, REFERENCE),
         ("w4a8-g128", 64, REFERENCE),
     ],

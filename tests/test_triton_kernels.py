@@ -22,7 +22,7 @@ tl = pytest.importorskip("triton.language")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from llmeasyquant.errors import ConfigError  # noqa: E402
-from llmeasyquant.kernels import ALL_KERNELS, KERNELS_BY_DEVICE, select  # noqa: E402
+from llmeasyquant.kernels import ALL_KERNELS, KERNELS_BY_DEVICE, native, select  # noqa: E402
 from llmeasyquant.kernels import triton as triton_kernels  # noqa: E402
 from llmeasyquant.kernels.triton import w4a16, w8a8  # noqa: E402
 from llmeasyquant.nn.qlinear import QuantLinear  # noqa: E402
@@ -304,7 +304,8 @@ def test_registered_for_cuda_only():
     assert {W8A8, W4A16} <= set(ALL_KERNELS)
     assert not {W8A8, W4A16} & {k.name for k in KERNELS_BY_DEVICE["cpu"]}
     # CPU tensors keep the CPU kernels even while the interpreter is on.
-    for scheme_name, expected in [("w8a8", CPU_W8A8), ("w4a16-g64", "cpu_int4pack_w4a16")]:
+    cpu_w4a16 = "cpu_native_w4a16" if native.ops() is not None else "cpu_int4pack_w4a16"
+    for scheme_name, expected in [("w8a8", CPU_W8A8), ("w4a16-g64", cpu_w4a16)]:
         layer = QuantLinear.from_weight(make_weight(64, 16, seed=1), None, parse_scheme(scheme_name))
         assert select(layer).name == expected
 

@@ -19,6 +19,7 @@ from llmeasyquant.kernels.cpu import (
     Int4WeightOnlyKernel,
     Int8DynamicActKernel,
     Int8WeightOnlyKernel,
+    NativeInt4WeightOnlyKernel,
     NativeInt8WeightOnlyKernel,
 )
 from llmeasyquant.kernels.reference import ReferenceKernel
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 
 REFERENCE = ReferenceKernel()
 KERNELS_BY_DEVICE: dict[str, list[Any]] = {
-    # The fused-operator W8A16 kernel first: fp32 results; it is offered only where kernels/native.py builds.
-    "cpu": [Int8DynamicActKernel(), NativeInt8WeightOnlyKernel(), Int8WeightOnlyKernel(), Int4WeightOnlyKernel()],
+    # The fused-operator weight-only kernels first: fp32 results; they are offered only where kernels/native.py builds.
+    "cpu": [Int8DynamicActKernel(), NativeInt8WeightOnlyKernel(), Int8WeightOnlyKernel(), NativeInt4WeightOnlyKernel(),
+            Int4WeightOnlyKernel()],
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }

@@ -1,4 +1,4 @@
-"""The fused C++ decode operators (native/decode_ops.cpp), compiled on first use.
+"""The fused C++ operators of the lean loop and the CPU kernels (native/decode_ops.cpp), compiled on first use.
 
 PyTorch compiles the file with the machine's C++ compiler through `torch.utils.cpp_extension` (needs a compiler,
 Python's headers and the `ninja` package) and caches the build, so only the first process on a machine waits for it
@@ -46,12 +46,12 @@ def _build() -> ModuleType | None:
     # every parallel loop here would run on one thread.
     flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DCPU_CAPABILITY={known}",
              *_FLAGS_BY_CAPABILITY.get(known, [])]
-    log.info("loading the fused decode operators for %s (compiled on first use, once per machine)", known)
+    log.info("loading the fused C++ operators for %s (compiled on first use, once per machine)", known)
     try:
         return cpp_extension.load(name=f"llmeasyquant_decode_ops_{known.lower()}", sources=[str(SOURCE)],
                                   extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, no ninja: the eager path computes the same thing
-        log.warning("the fused decode operators could not be built (%s: %s); decoding runs on PyTorch operators. "
+        log.warning("the fused C++ operators could not be built (%s: %s); everything runs on PyTorch operators. "
                     "Install a C++ compiler and the ninja package to enable them", type(error).__name__, error)
         return None
 
@@ -75,5 +75,5 @@ def built() -> ModuleType:
     """The compiled operators whatever the switch says, for a kernel already chosen while they were on."""
     module = _build()
     if module is None:
-        raise RuntimeError("the fused decode operators are not built on this machine (see the log for why)")
+        raise RuntimeError("the fused C++ operators are not built on this machine (see the log for why)")
     return module

@@ -8,8 +8,9 @@ model's own modules and weights (QuantLinear layers through their kernels, fused
 - rotary tables computed once, by the model's own rotary module (so its scaling rule holds);
 - one `rms_norm` operator per norm, queries and keys rotated together;
 - the LM head on the last position only;
-- for one-token steps of fp32 SiLU models, the fused C++ operators of kernels/native.py: norm, rotary embedding +
-  cache write, attention over the cache and SiLU-times-up each in one call instead of several PyTorch operators.
+- for fp32 SiLU models, the fused C++ operators of kernels/native.py, for the prompt and each step: norm, rotary
+  embedding + cache write, attention over the cache and SiLU-times-up each in one call instead of several PyTorch
+  operators (for a prompt, causal attention on BLAS GEMMs, 1.7x faster than PyTorch's fused CPU attention).
 Logits equal transformers' to float rounding (tests compare them on tiny models of each family and on SmolLM2).
 """
 
@@ -80,8 +81,8 @@ class LeanDecoder:
     """Greedy batch-1 generation over a static KV cache of `max_tokens` positions.
 
     `prefill(ids)` runs the prompt and returns the next token's logits; `step(token)` appends one token.
-    `reset()` starts a new sequence in the same cache. `fused=False` keeps one-token steps on PyTorch operators
-    (they are also used where the fused operators cannot be built or do not cover the model)."""
+    `reset()` starts a new sequence in the same cache. `fused=False` runs on PyTorch operators only (as where the
+    fused operators cannot be built or do not cover the model)."""
 
     def __init__(self, model: nn.Module, max_tokens: int, fused: bool = True) -> None:
         arch = arch_for(model)
@@ -146,14 +147,12 @@ class LeanDecoder:
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the prompt ids [P] (or [1, P]) into the cache; logits [vocab] of the next token."""
-        return self._logits(self._run(ids.reshape(-1)))
+        return self._logits(self._forward(ids.reshape(-1)))
 
     @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Append one token id (any shape of one element); logits [vocab] of the next token."""
-        if self.fused_ops is not None:
-            return self._logits(self._fused_step(token.reshape(1)))
-        return self._logits(self._run(token.reshape(1)))
+        return self._logits(self._forward(token.reshape(1)))
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -174,6 +173,9 @@ class LeanDecoder:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.final_norm(hidden))[0]
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._fused_run(ids) if self.fused_ops is not None else self._run(ids)
 
     def _run(self, ids: torch.Tensor) -> torch.Tensor:
         """The hidden state [1, hidden] of the last of `ids` [T], their keys and values written to the cache."""
@@ -204,20 +206,25 @@ class LeanDecoder:
         self.length = end
         return x[-1:]
 
-    def _fused_step(self, token: torch.Tensor) -> torch.Tensor:
-        """`_run` for one token on the fused operators: the same computation in a third of the operator calls."""
-        ops, pos = self.fused_ops, self.length
-        self._check_room(pos + 1)
-        cos, sin = self.cos[pos, 0], self.sin[pos, 0]  # [dim]
-        x = self.embed(token)  # [1, hidden]
+    def _fused_run(self, ids: torch.Tensor) -> torch.Tensor:
+        """`_run` on the fused operators: the same computation in a third of the operator calls, each a single pass
+        (split over the threads for a prompt's rows)."""
+        ops, count, start = self.fused_ops, ids.shape[0], self.length
+        end = start + count
+        self._check_room(end)
+        cos, sin = self.cos[start:end, 0], self.sin[start:end, 0]  # [T, dim]
+        x = self.embed(ids)  # [T, hidden]
         for index, block in enumerate(self.blocks):
             keys, values = self.keys[index, 0], self.values[index, 0]  # [kv_heads, max_tokens, dim], written in place
             qkv = block.qkv(ops.rms_norm(x, block.attn_norm.weight, block.attn_norm.eps))
             q_norm, k_norm = block.qk_norm or (_NO_NORM, _NO_NORM)
-            queries = ops.rope_store(qkv, cos, sin, keys, values, pos, self.heads, q_norm.weight, k_norm.weight,
-                                     q_norm.eps, k_norm.eps)  # [heads, dim]
-            x = x + block.o(ops.decode_attention(queries, keys, values, pos + 1, self.scaling))
-            x = x + block.down(ops.silu_mul(block.gate_up(ops.rms_norm(x, block.mlp_norm.weight,
-                                                                         block.mlp_norm.eps))))
-        self.length = pos + 1
-        return x
+            queries = ops.rope_store(qkv, cos, sin, keys, values, start, self.heads, q_norm.weight, k_norm.weight,
+                                     q_norm.eps, k_norm.eps)  # [T, heads, dim]
+            if count == 1:  # one query row: every cached key read once for the query heads that share it
+                attended = ops.decode_attention(queries, keys, values, end, self.scaling)
+            else:
+                attended = ops.causal_attention(queries, keys, values, start, self.scaling)
+            x += block.o(attended)  # x is this call's own tensor (from the embedding lookup): no one else sees it
+            x += block.down(ops.silu_mul(block.gate_up(ops.rms_norm(x, block.mlp_norm.weight, block.mlp_norm.eps))))
+        self.length = end
+        return x[-1:]
