@@ -1,9 +1,9 @@
-"""CPU integer kernels built on PyTorch's own int8/int4 operators.
+"""CPU integer kernels built on PyTorch's own int8/int4 operators and on the fused operators of kernels/native.py.
 
 - W8A8: dynamic per-token int8 activations x int8 weights with `torch._int_mm` (int32 accumulation).
-- W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`.
-- W4A16 (and 2/3-bit codes, unpacked from dense storage into nibbles when prepared):
-  `aten._weight_int4pack_mm_for_cpu` with bf16 activations.
+- W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`, or fp32 ones on the native matmul.
+- W4A16: fp32 activations on the native int4 matmul; or (and 2/3-bit codes, unpacked from dense storage into
+  nibbles when prepared) `aten._weight_int4pack_mm_for_cpu` with bf16 activations.
   That operator needs the input width divisible by the group size; a partial last group is handled by
   zero-padding the input.
 
@@ -64,7 +64,7 @@ class Int8DynamicActKernel:
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         # Dynamic symmetric per-token (the common case, decided once): the fused operators of kernels/native.py
         # quantize the activations and scale the output bit for bit as the PyTorch operators below do, in one pass
-        # each instead of six and two (3-10x faster at a decode row and at a prompt's 512 rows alike).
+        # each instead of six and two (3-17x faster at a prompt's 512 rows: benchmarks/native_ops.py).
         fused = native.ops() if prepared["rows"] and "zero" not in prepared else None
         if fused is not None:
             with scope(QUANTIZE_ACTIVATIONS):
