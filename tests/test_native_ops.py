@@ -278,3 +278,5 @@ def test_int4_operators_refuse_mismatched_buffers(ops):
         ops.dequantize_int4(layer.qweight, scales, zeros[:, :2].contiguous(), 100, 32)
     with pytest.raises(RuntimeError, match="group size"):
         ops.dequantize_int4(layer.qweight, scales, zeros, 100, 0)
+    with pytest.raises(RuntimeError, match="must be 2-D"):
+        ops.dequantize_int4(layer.qweight.flatten(), scales, zeros, 100, 32)

@@ -572,6 +572,8 @@ Int4Weights int4_weights_of(const at::Tensor& packed, const at::Tensor& scales, 
   check_cpu(packed, at::kByte, "packed");
   check_cpu(scales, at::kFloat, "scales");
   if (zeros.has_value()) check_cpu(*zeros, at::kFloat, "zeros");
+  TORCH_CHECK(packed.dim() == 2 && scales.dim() == 2,
+              "packed [out, ceil(in / 2)] and scales [out, groups] must be 2-D");
   return Int4Weights(packed, scales, zeros, in_features, group_size);
 }
 
