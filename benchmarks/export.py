@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import llmeasyquant as lq
-from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import make_windows
 from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.export.check import check_export
@@ -32,7 +32,6 @@ from llmeasyquant.export.formats import export
 from llmeasyquant.methods import recipe_by_name
 from llmeasyquant.models.load import bundled_gguf
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data"
 RUNS = (  # (recipe, scheme, options, formats the checkpoint is exported to)
     ("smoothquant", "w8a8", {"alpha": 0.8}, ("compressed-tensors", "onnx")),
     ("gptq", "w4a16-g64", {}, ("compressed-tensors", "onnx")),
@@ -57,10 +56,10 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
     base, tokenizer = lq.load_model("smollm2-135m")
-    windows = make_windows(tokenizer, read_text_file(str(DATA / "wikitext-2-raw/wiki.test.raw")), 512,
+    windows = make_windows(tokenizer, load_text("wikitext2"), 512,
                            args.max_windows)
     windows.protocol.update(threads=torch.get_num_threads(), seed=0)
-    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), base, tokenizer, args.calib_samples, 512)
+    calib, source = calibration_ids("wikitext2", base, tokenizer, args.calib_samples, 512)
     indexes = [int(i) for i in args.runs.split(",")] if args.runs else range(len(RUNS))
     baseline = {"format": "gguf", "method": "none (bundled Q4_1 file)", "scheme": "float",
                 "export_mb": bundled_gguf().stat().st_size / 1e6} | check_export(bundled_gguf(), "gguf", base, windows)

@@ -1,6 +1,7 @@
 """Foundation benchmark: RTN schemes on SmolLM2-135M against the unquantized model, house protocol.
 
-    python benchmarks/foundation_rtn.py [--text PATH] [--max-windows 40] [--out benchmarks/results/foundation_rtn.json]
+    python benchmarks/foundation_rtn.py [--text wikitext2|PATH] [--max-windows 40]
+        [--out benchmarks/results/foundation_rtn.json]
 
 Writes the JSON records and prints the Markdown table that docs/RESULTS.md quotes.
 """
@@ -15,7 +16,6 @@ from pathlib import Path
 from llmeasyquant import compare, parse_scheme
 from llmeasyquant.eval.report import markdown_table, write_json
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 SCHEMES = (
     "w8a16,w8a8,w8a8-aasym,w8a16-asym,w8a16-g128,w4a16-g64-asym,w4a16-g128-asym,w4a16-g64,w4a16-g32-asym,w3a16-g64-asym"
 )
@@ -23,7 +23,7 @@ SCHEMES = (
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--text", default=str(DEFAULT_TEXT))
+    parser.add_argument("--text", default="wikitext2", help="evaluation text (default: the shipped WikiText-2 test)")
     parser.add_argument("--schemes", default=SCHEMES)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--max-windows", type=int, default=40)

@@ -2,7 +2,7 @@
 
     python benchmarks/kv_cache.py [--seqlen 512,2048] [--max-windows 20] [--configs k4,k3,...] [--out FILE.json]
 
-Protocol: WikiText-2 raw test (../shared/data), windows of `seqlen` tokens without BOS, the first `max_windows`;
+Protocol: WikiText-2 raw test (shipped, `wikitext2`), windows of `seqlen` tokens without BOS, the first `max_windows`;
 fp32 weights; every window's keys and values are written to the cache and read back by attention. KL and top-1 are
 against the same model with the unquantized cache. Key ranges are calibrated on the first 16 consecutive 512-token
 chunks of WikiText-2 validation. Memory: one 2048-token window through the cache, bytes held by the cache object
@@ -19,13 +19,12 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import llmeasyquant as lq
-from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
 from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.nn.kv_cache import KVQuantConfig
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data"
 # name -> (cache options, calibrated key ranges?)
 # "k3" rows are 3 bits with the options 4 bits default to; "k3-b16-o3-c2" is what 3 bits default to.
 THREE = {"key_bits": 3, "value_bits": 3, "key_block": 32, "outliers": 0.01, "key_channels": 0}
@@ -86,8 +85,8 @@ def model_text_calibration(samples: int) -> tuple:
     """What every KV benchmark runs on: SmolLM2, WikiText-2 raw test, and calibration ids from the first `samples`
     512-token chunks of WikiText-2 validation (with their source)."""
     model, tokenizer = lq.load_model("smollm2-135m")
-    text = read_text_file(DATA / "wikitext-2-raw/wiki.test.raw")
-    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), model, tokenizer, samples, 512, 0)
+    text = load_text("wikitext2")
+    calib, source = calibration_ids("wikitext2", model, tokenizer, samples, 512, 0)
     return model, tokenizer, text, calib, source
 
 

@@ -1,9 +1,9 @@
 """Calibrated methods on SmolLM2-135M under the house protocol, all evaluated side by side in one pass.
 
     python benchmarks/methods.py [--calib-samples 64] [--max-windows 40] [--runs 0,3] [--out FILE.json]
-    python benchmarks/methods.py --calib-sweep 16,32,64,128 --out benchmarks/results/methods_calib.json
+    python benchmarks/methods.py --calib-sweep 16,32 --out benchmarks/results/methods_calib.json
 
-Calibration: the first N consecutive 512-token chunks of WikiText-2 validation (../shared/data/wikitext-2/valid.txt).
+Calibration: the first N consecutive 512-token chunks of WikiText-2 validation (shipped: `wikitext2`).
 Evaluation: WikiText-2 raw test, 512-token windows, no BOS. Each quantized model is saved and evaluated as loaded.
 "units" = quantization seconds / seconds of an 8-window fp32 evaluation measured just before each run, in this
 process. Quantization is deterministic: the same run gives the same model whatever else the table holds.
@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 import llmeasyquant as lq
-from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
 from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.export.checkpoint import bits_per_weight, checkpoint_bytes
 from llmeasyquant.methods import recipe_by_name
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data"
 RUNS = (  # (recipe, scheme, options)
     ("rtn", "w8a8", {}),
     ("smoothquant", "w8a8", {"alpha": 0.8}),
@@ -68,8 +67,8 @@ def main() -> int:
     indexes = args.runs or (SWEEP_RUNS if args.calib_sweep else ",".join(map(str, range(len(RUNS)))))
     runs = [(int(i), *RUNS[int(i)]) for i in indexes.split(",")]
     base, tokenizer = lq.load_model("smollm2-135m")
-    windows = make_windows(tokenizer, read_text_file(DATA / "wikitext-2-raw/wiki.test.raw"), 512, args.max_windows)
-    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), base, tokenizer, max(counts), 512)
+    windows = make_windows(tokenizer, load_text("wikitext2"), 512, args.max_windows)
+    calib, source = calibration_ids("wikitext2", base, tokenizer, max(counts), 512)
     unit_windows = EvalWindows(windows.ids[:8], windows.protocol)
     models, rows = {"fp32": base}, {"fp32": {"method": "fp32", "scheme": "-"}}
     with tempfile.TemporaryDirectory() as scratch:

@@ -3,7 +3,7 @@
     python benchmarks/mixed_precision.py [--budgets 3.0,3.5,4.0,4.5,5.0,5.5] [--uniform 2,3,4,8] [--max-windows 40]
         [--sensitivity kl] [--group-size 64] [--out benchmarks/results/mixed_precision.json]
 
-Protocol: calibration on the first 64 consecutive 512-token chunks of WikiText-2 validation (../shared/data); the
+Protocol: calibration on the first 64 consecutive 512-token chunks of WikiText-2 validation (shipped); the
 sensitivities are measured once (timed: the search's cost) and every budget is allocated from them. Each plan and
 each uniform width is quantized with GPTQ (act-order, asymmetric, the given group size) on the same calibration,
 saved, and evaluated on WikiText-2 raw test, windows of 512 tokens without BOS, the first `max_windows`, against
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import llmeasyquant as lq
-from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
 from llmeasyquant.eval.plots import plot_bits_per_layer, plot_size_quality
 from llmeasyquant.eval.report import markdown_table, record, write_json
@@ -32,7 +32,6 @@ from llmeasyquant.runs import float_bytes
 from llmeasyquant.scheme import PerGroup, QuantScheme
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared/data"
 COLUMNS = (("model", "name", ""), ("bits/w", "bits_per_weight", ".3f"), ("MB", "tensor_mb", ".2f"),
            ("fp16 / size", "fp16_ratio", ".2f"), ("ppl", "ppl", ".3f"), ("Δppl %", "ppl_delta_pct", "+.2f"),
            ("KL", "kld", ".4f"), ("top-1 %", "top1_pct", ".2f"), ("quant s", "quantize_s", ".0f"))
@@ -63,8 +62,8 @@ def main() -> int:
     uniform = [int(b) for b in args.uniform.split(",") if b.strip()]
 
     base, tokenizer = lq.load_model("smollm2-135m")
-    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), base, tokenizer, args.calib_samples, 512)
-    windows = make_windows(tokenizer, read_text_file(DATA / "wikitext-2-raw/wiki.test.raw"), 512, args.max_windows)
+    calib, source = calibration_ids("wikitext2", base, tokenizer, args.calib_samples, 512)
+    windows = make_windows(tokenizer, load_text("wikitext2"), 512, args.max_windows)
     search = lq.MixedPrecisionSearch(group_size=args.group_size, sensitivity=args.sensitivity)
     start = time.perf_counter()
     sens = search.measure(base, calib)  # timed alone, first, on an idle machine

@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 import llmeasyquant as lq
-from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows, perplexity
 from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.methods import recipe_by_name
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data"
 RUNS = (  # (row name, recipe, scheme, options of make_scheme's online mode)
     ("dynamic per-token", "rtn", "w8a8", {}),
     ("static, calibrated", "rtn", "w8a8-astatic", {}),
@@ -54,9 +53,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/online_activations.json"))
     args = parser.parse_args()
     base, tokenizer = lq.load_model("smollm2-135m")
-    windows = make_windows(tokenizer, read_text_file(DATA / "wikitext-2-raw/wiki.test.raw"), 512, args.max_windows)
+    windows = make_windows(tokenizer, load_text("wikitext2"), 512, args.max_windows)
     first, scored = (EvalWindows(ids, windows.protocol) for ids in (windows.ids[:1], windows.ids[1:]))
-    calib, source = calibration_ids(str(DATA / "wikitext-2/valid.txt"), base, tokenizer, args.calib_samples, 512)
+    calib, source = calibration_ids("wikitext2", base, tokenizer, args.calib_samples, 512)
     models, rows = {"fp32": base}, []
     for name, recipe_name, scheme_name, online in RUNS:
         model, _ = lq.load_model("smollm2-135m")

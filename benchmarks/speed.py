@@ -2,7 +2,7 @@
 
     python benchmarks/speed.py [--threads 1,2] [--repeats 3] [--max-windows 10] [--out benchmarks/results/speed.json]
 
-Protocol (DESIGN.md): batch 1, a 128-token prompt (the start of WikiText-2 raw test), 64 greedy new tokens; prefill
+Protocol: batch 1, a 128-token prompt (the start of WikiText-2 raw test), 64 greedy new tokens; prefill
 also at 512 tokens; `--repeats` interleaved rounds, medians; each thread count measured in turn. Every quantized
 model is RTN (no calibration: speed does not depend on the method), its LM head kept in float or quantized W8A16
 ("+ head"), q/k/v and gate/up fused into one GEMM each (`lq.fuse_shared_inputs`, as `bench` does). The baseline
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import llmeasyquant as lq
-from llmeasyquant.calibration.data import read_text_file, tokenize
+from llmeasyquant.calibration.data import load_text, tokenize
 from llmeasyquant.eval.bench import BenchConfig, bench, memory_bandwidth_gbs, summary_lines
 from llmeasyquant.eval.fidelity import kl_sum, top1_matches
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
@@ -42,7 +42,6 @@ from llmeasyquant.kernels import forced_kernel
 from llmeasyquant.models.load import bundled_gguf
 from llmeasyquant.plan import Plan, Rule
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data"
 RUNS = (  # (row name, body scheme, LM head scheme or None)
     ("w8a16", "w8a16", None),
     ("w8a16 + head", "w8a16", "w8a16"),
@@ -166,7 +165,7 @@ def main() -> int:
     threads = tuple(int(t) for t in args.threads.split(","))
     runs = [RUNS[int(i)] for i in args.runs.split(",")] if args.runs else list(RUNS)
     base, tokenizer = lq.load_model("smollm2-135m")
-    source = read_text_file(DATA / "wikitext-2-raw/wiki.test.raw")
+    source = load_text("wikitext2")
     prompt = tokenize(tokenizer, source.text)[:512].reshape(1, 512)
     models = {"fp32": base.eval(), **{name: quantized(name, body, head) for name, body, head in runs}}
     # The same objects again under another loop: their quality is the same, so it is measured once.

@@ -16,11 +16,9 @@ import torch
 
 import llmeasyquant as lq
 from llmeasyquant.api import round_unquantized_to_fp16
-from llmeasyquant.calibration.data import read_text_file
+from llmeasyquant.calibration.data import load_text
 from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
 from llmeasyquant.eval.report import record, write_json
-
-TEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 
 def rtn(base: torch.nn.Module, keep_fp32: bool, kernel: str | None = None) -> torch.nn.Module:
@@ -57,7 +55,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/w8a16_ablation.json"))
     args = parser.parse_args()
     base, tokenizer = lq.load_model("smollm2-135m")
-    windows = make_windows(tokenizer, read_text_file(TEXT), 512, args.max_windows)
+    windows = make_windows(tokenizer, load_text("wikitext2"), 512, args.max_windows)
     fp16_storage = copy.deepcopy(base)
     round_unquantized_to_fp16(fp16_storage)
     models = {

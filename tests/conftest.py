@@ -5,7 +5,9 @@ Everything here is built in code from configs: no downloads, no network, millise
 
 from __future__ import annotations
 
+import os
 import string
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,9 +15,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from llmeasyquant.texts import shipped_bytes
+
 VOCAB = 256
 BOS_ID, EOS_ID = 1, 2
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 WIKITEXT_BYTES = 40_000
 
 TOKENIZER_TRAINING_TEXT = """\
@@ -24,6 +27,35 @@ this short text, in code, so that no file has to be downloaded. The river flows 
 was built on both of its banks in the nineteenth century. He played for the club in the season of 1998, when the
 team won the league and the cup. The album was released in the United States and reached number one on the chart.
 """
+
+
+# Files opened in a folder beside the checkout (such as a team's shared data folder), by any code a test runs,
+# however the path was built. Hidden folders (~/.cache and the like, when the checkout sits in a home folder) are
+# caches, not data. An audit hook cannot be removed, so it only appends; each test checks what it added.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+_OUTSIDE_OPENS: list[str] = []
+
+
+def _audit_outside_opens(event: str, args: tuple) -> None:
+    if event != "open" or not isinstance(args[0], str | bytes | os.PathLike):
+        return
+    path = Path(os.path.abspath(os.fsdecode(args[0])))
+    if path.is_relative_to(_CHECKOUT.parent) and not path.is_relative_to(_CHECKOUT):
+        first = path.relative_to(_CHECKOUT.parent).parts[0]
+        if not first.startswith("."):
+            _OUTSIDE_OPENS.append(str(path))
+
+
+sys.addaudithook(_audit_outside_opens)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_read_beside_the_checkout():
+    """A user's clone has nothing beside it: a test that reads there passes only on the team's machines."""
+    before = len(_OUTSIDE_OPENS)
+    yield
+    opened = _OUTSIDE_OPENS[before:]
+    assert not opened, f"opened outside the repository (ship the file instead): {sorted(set(opened))[:5]}"
 
 
 def _seeded(build: Callable[[], torch.nn.Module], marker: str) -> torch.nn.Module:
@@ -123,15 +155,13 @@ def llama_folder(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: PreTr
 
 
 def _wikitext_snippet() -> bytes:
-    if not WIKITEXT.is_file():
-        pytest.skip(f"{WIKITEXT} is not available")
-    data = WIKITEXT.read_bytes()[:WIKITEXT_BYTES]
+    data = shipped_bytes("wikitext2", "test")[0][:WIKITEXT_BYTES]
     return data[: data.rfind(b"\n") + 1]  # whole lines: valid UTF-8, no split character
 
 
 @pytest.fixture
 def wiki_text(tmp_path: Path) -> Path:
-    """The first ~40 KB (whole lines) of WikiText-2 raw test, as a file in tmp_path; skips when absent."""
+    """The first ~40 KB (whole lines) of the shipped WikiText-2 raw test, as a file in tmp_path."""
     path = tmp_path / "wiki.txt"
     path.write_bytes(_wikitext_snippet())
     return path

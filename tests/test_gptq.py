@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,7 @@ from llmeasyquant.calibration.data import calibration_ids
 from llmeasyquant.cli import main
 from llmeasyquant.methods.gptq import gptq_solve
 from llmeasyquant.primitives import choose_qparams, dequantize, qrange, quantize
-
-WIKI_TEST = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+from llmeasyquant.texts import shipped_bytes
 
 
 def correlated_inputs(tokens: int, width: int, seed: int = 0) -> torch.Tensor:
@@ -86,10 +84,11 @@ def test_unknown_method_option_is_a_clear_error():
         method_by_name("rtn", act_order=True)
 
 
-@pytest.mark.skipif(not WIKI_TEST.is_file(), reason="WikiText-2 test file absent")
-def test_calibrating_on_the_evaluation_split_is_refused(tiny_llama, tiny_tokenizer):
+def test_calibrating_on_the_evaluation_split_is_refused(tiny_llama, tiny_tokenizer, tmp_path):
+    copied = tmp_path / "renamed.txt"  # recognised by its bytes, whatever the file is called
+    copied.write_bytes(shipped_bytes("wikitext2", "test")[0])
     with pytest.raises(lq.DataError, match="refused"):
-        calibration_ids(str(WIKI_TEST), tiny_llama, tiny_tokenizer, samples=4, seqlen=32)
+        calibration_ids(str(copied), tiny_llama, tiny_tokenizer, samples=4, seqlen=32)
 
 
 def test_calibration_ids_are_consecutive_chunks(tiny_llama, tiny_tokenizer, wiki_text):

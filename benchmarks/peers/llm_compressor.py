@@ -20,11 +20,9 @@ from pathlib import Path
 import torch
 
 import llmeasyquant as lq
-from llmeasyquant.calibration.data import calibration_ids, read_text_file
+from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
 from llmeasyquant.eval.report import markdown_table, record, write_json
-
-DATA = Path(__file__).resolve().parents[3] / "shared/data"
 
 
 def recipes() -> dict[str, list]:
@@ -54,8 +52,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/peers_llm_compressor.json"))
     args = parser.parse_args()
     base, tokenizer = lq.load_model("smollm2-135m")
-    windows = make_windows(tokenizer, read_text_file(DATA / "wikitext-2-raw/wiki.test.raw"), 512, args.max_windows)
-    calib, _ = calibration_ids(str(DATA / "wikitext-2/valid.txt"), base, tokenizer, args.calib_samples, 512)
+    windows = make_windows(tokenizer, load_text("wikitext2"), 512, args.max_windows)
+    calib, _ = calibration_ids("wikitext2", base, tokenizer, args.calib_samples, 512)
     dataset = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
     table = recipes()
     names = args.runs.split(",") if args.runs else list(table)

@@ -24,7 +24,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated (default 64)")
     b.add_argument("--prefill-tokens", type=int, default=512, help="length of the long prefill (default 512)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
-    b.add_argument("--text", type=Path, help="take the prompt from this text file (default: seeded random tokens)")
+    b.add_argument("--text", help="take the prompt from this text: a file, or a shipped text such as 'wikitext2' "
+                   "(default: seeded random tokens)")
     b.add_argument("--no-breakdown", action="store_true", help="skip the profiled latency breakdown")
     b.add_argument("--runtime", choices=RUNTIMES, default="auto", help="decode loop for the measured model: 'lean' "
                    "(static KV cache, short operator path, fused C++ operators; llama-like families), 'lean-pytorch' "
@@ -45,9 +46,9 @@ def _prompt(args: argparse.Namespace, tokenizer: object, vocab: int, length: int
     if args.text is None:
         generator = torch.Generator().manual_seed(args.seed)
         return torch.randint(0, vocab, (1, length), generator=generator), f"random tokens, seed {args.seed}"
-    from llmeasyquant.calibration.data import read_text_file, tokenize
+    from llmeasyquant.calibration.data import load_text, tokenize
 
-    source = read_text_file(args.text)
+    source = load_text(args.text)
     ids = tokenize(tokenizer, source.text)
     if ids.numel() < length:
         raise LLMEasyQuantError(f"{args.text} gives {ids.numel()} tokens; bench needs {length}: use a longer text")

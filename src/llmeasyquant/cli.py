@@ -156,8 +156,8 @@ def _recipe(args: argparse.Namespace) -> list:
     static = act_mode(args) == "static"
     if (any(m.needs_calibration for m in recipe) or static) and not args.calib:
         what = "static activation scales" if static else args.method
-        raise LLMEasyQuantError(f"{what} needs calibration text: pass --calib PATH, --calib wikitext2 "
-                                "or --calib self")
+        raise LLMEasyQuantError(f"{what} needs calibration text: pass --calib wikitext2 (shipped "
+                                "WikiText-2 validation), --calib PATH or --calib self")
     return recipe
 
 
@@ -287,8 +287,8 @@ def _compared_rows(args: argparse.Namespace) -> tuple[list, list | None]:
     recipes = [recipe_by_name(m, strict=False, **_method_options(args)) for m in methods]
     needing = [m for m, recipe in zip(methods, recipes, strict=True) if any(r.needs_calibration for r in recipe)]
     if needing and not args.calib:
-        raise LLMEasyQuantError(f"{', '.join(needing)} need calibration text: pass --calib PATH, --calib wikitext2 "
-                                "or --calib self")
+        raise LLMEasyQuantError(f"{', '.join(needing)} need calibration text: pass --calib wikitext2 (shipped "
+                                "WikiText-2 validation), --calib PATH or --calib self")
     return schemes, methods
 
 

@@ -37,10 +37,10 @@ UNIT_WINDOWS = 8  # the fp32 evaluation that quantization time is divided by ("u
 
 def prepare_windows(model: nn.Module, tokenizer: object, text: str | None, seqlen: int,
                     max_windows: int | None, seed: int = 0) -> EvalWindows:
-    """Evaluation windows from a file, WikiText-2 on the hub, or (offline) the model's own text."""
+    """Evaluation windows from `text` (see calibration.data.resolve_text; None: the shipped WikiText-2 test)."""
     wanted = max_windows if max_windows is not None else SELF_TEXT_WINDOWS
     source = resolve_text(text, model, tokenizer, tokens_needed=wanted * seqlen + 1, seed=seed)
-    if source.description.startswith("self-generated") and max_windows is None:
+    if source.kind == "self-generated" and max_windows is None:
         max_windows = SELF_TEXT_WINDOWS
     windows = make_windows(tokenizer, source, seqlen, max_windows)
     windows.protocol.update(seed=seed, threads=torch.get_num_threads())
@@ -125,11 +125,11 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
     against the unquantized model on the same windows. Returns one record per row, fp32 first.
 
     Rows: `recipe` under each of `schemes`, or, with `methods` (names such as 'gptq' or 'awq+gptq'), one per
-    method under its own scheme (or the one scheme given), each taking the `method_options` it has. `calib` (a
-    file, 'wikitext2' or 'self') feeds methods that need calibration; it may not be the evaluation text. `kv` adds
-    a quantized KV cache to every quantized row. `details` also measures what the report's figures need
-    (docs/compare_record.md): speed and latency breakdown, block errors, a weight histogram, per-layer summaries,
-    perplexity over context length.
+    method under its own scheme (or the one scheme given), each taking the `method_options` it has. `calib`
+    ('wikitext2' for the shipped validation split, a file, or 'self') feeds methods that need calibration; it may
+    not be the evaluation text. `kv` adds a quantized KV cache to every quantized row. `details` also measures what
+    the report's figures need (docs/compare_record.md): speed and latency breakdown, block errors, a weight
+    histogram, per-layer summaries, perplexity over context length.
     """
     rows = _rows(methods, schemes, recipe, kv, method_options or {})
     if not rows:
@@ -142,7 +142,8 @@ def compare(model_spec: str = "smollm2-135m", schemes: Sequence[QuantScheme] = (
     if any(_needs_calibration(r) for r in rows) or (kv is not None and calib is not None):
         if calib is None:
             what = next((r.method for r in rows if _needs_calibration(r)), "the KV cache")
-            raise ConfigError(f"{what} needs calibration text: pass calib=PATH, 'wikitext2' or 'self'")
+            raise ConfigError(f"{what} needs calibration text: pass calib='wikitext2' (shipped WikiText-2 "
+                              "validation), a file path, or 'self'")
         calib_ids, source = calibration_ids(calib, base, tokenizer, calib_samples, calib_seqlen, seed)
         if source.sha256 == windows.protocol["text_sha256"]:
             raise DataError("the calibration text is the evaluation text; calibrate on another split")

@@ -56,15 +56,15 @@ def cmd_search(args: argparse.Namespace) -> None:
             check_output(path, args.force)
     if search.needs_calibration and not args.calib:
         raise LLMEasyQuantError(f"the {args.sensitivity} sensitivity with {args.method} needs calibration text: pass "
-                                "--calib PATH, --calib wikitext2 or --calib self")
+                                "--calib wikitext2 (shipped WikiText-2 validation), --calib PATH or --calib self")
     model, tokenizer = load_model(args.model)
     calib = None
     if args.calib:
-        from llmeasyquant.calibration.data import calibration_ids, read_text_file
+        from llmeasyquant.calibration.data import SELF_TEXT, calibration_ids, load_text
 
         calib, source = calibration_ids(args.calib, model, tokenizer, args.calib_samples, args.calib_seqlen,
                                         args.seed)
-        if args.verify and args.text and read_text_file(args.text).sha256 == source.sha256:
+        if args.verify and str(args.text).lower() != SELF_TEXT and load_text(args.text).sha256 == source.sha256:
             raise LLMEasyQuantError("--calib and --text are the same text; calibrate on another split (e.g. "
                                     "WikiText-2 validation) than the one --verify evaluates on")
     result = search.run(model, calib, budget, progress=not args.quiet)

@@ -1,4 +1,9 @@
-"""Text sources for calibration and evaluation: a local file, WikiText-2 from the hub, or self-generated text."""
+"""Text sources for calibration and evaluation: a shipped text by name, a file, the hub, or self-generated text.
+
+A spec is resolved in this order: 'self' (text the unquantized model samples; only when asked for by name), a shipped
+name ('wikitext2', the default: see llmeasyquant.texts), 'hub:DATASET[:CONFIG]' (the `datasets` library; only when
+asked for by name), else a file path. The split follows the role: evaluation reads 'test', calibration 'validation'.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,29 @@ import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from llmeasyquant import texts
 from llmeasyquant.errors import DataError
 from llmeasyquant.hub import hub_reachable
 
 log = logging.getLogger(__name__)
 
-WIKITEXT_NAMES = ("wikitext2", "wikitext-2", "wikitext")
+DEFAULT_TEXT = "wikitext2"  # evaluation and calibration text when none is given: shipped, so it works offline
+SELF_TEXT = "self"
+HUB_PREFIX = "hub:"
+TEXT_SPECS = "a file path, a shipped text (wikitext2), 'hub:DATASET[:CONFIG]' or 'self'"
+
+TextKind = Literal["shipped", "file", "hub", "self-generated"]
 
 
 @dataclass(frozen=True)
 class TextSource:
     text: str
-    description: str  # what a reader of the results needs to know, e.g. "file wiki.test.raw"
+    description: str  # what a reader of the results needs to know, e.g. "WikiText-2 raw test (shipped ...)"
+    kind: TextKind = "file"
     path: str | None = None
     sha256: str = ""  # of the file's bytes for a file (identifies the data set), else of the UTF-8 text
 
@@ -30,43 +43,72 @@ class TextSource:
             object.__setattr__(self, "sha256", hashlib.sha256(self.text.encode("utf-8")).hexdigest())
 
 
-def read_text_file(path: str | Path) -> TextSource:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"text file {path} does not exist; pass an existing file with --text")
-    data = path.read_bytes()
+def _decode(data: bytes, where: str) -> str:
     try:
         # Read as Python reads text files (universal newlines: CRLF -> LF), as the peers' published figures do.
         text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()
     except UnicodeDecodeError as exc:
-        raise DataError(f"text file {path} is not UTF-8 text: {exc}") from exc
+        raise DataError(f"{where} is not UTF-8 text: {exc}") from exc
     if not text.strip():
-        raise DataError(f"text file {path} is empty; give a file with enough text for at least one window")
-    return TextSource(text=text, description=f"file {path.name}", path=str(path.resolve()),
-                      sha256=hashlib.sha256(data).hexdigest())
+        raise DataError(f"{where} is empty; give a text with enough tokens for at least one window")
+    return text
 
 
-def wikitext2_from_hub(split: str = "test") -> TextSource | None:
-    """WikiText-2 raw from the hub, or None (with the reason logged) when `datasets` or the network is missing."""
+def read_text_file(path: str | Path) -> TextSource:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"text file {path} does not exist; give {TEXT_SPECS}")
+    data = path.read_bytes()
+    return TextSource(text=_decode(data, f"text file {path}"), description=f"file {path.name}", kind="file",
+                      path=str(path.resolve()), sha256=hashlib.sha256(data).hexdigest())
+
+
+def shipped_text(name: str, split: texts.Split) -> TextSource:
+    """A text shipped inside the package (checked against its sha256)."""
+    data, entry = texts.shipped_bytes(name, split)
+    return TextSource(text=_decode(data, entry.file), description=entry.description, kind="shipped",
+                      sha256=entry.sha256)
+
+
+def text_from_hub(spec: str, split: texts.Split) -> TextSource:
+    """'DATASET[:CONFIG]' from the Hugging Face hub, its 'text' column joined; DataError when it cannot be had."""
+    dataset, _, config = spec.partition(":")
+    if not dataset:
+        raise DataError(f"'{HUB_PREFIX}{spec}' names no data set; write e.g. hub:wikitext:wikitext-103-raw-v1")
     try:
         import datasets
     except ImportError:
-        log.info("WikiText-2 from the hub needs the 'hub' extra (pip install 'llmeasyquant[hub]')")
-        return None
+        raise DataError("text from the hub needs the 'hub' extra: pip install 'llmeasyquant[hub]'") from None
     if not hub_reachable():
-        return None
+        raise DataError(f"the hub is not reachable from here, so {HUB_PREFIX}{spec} cannot be read; give a local "
+                        f"file, or a shipped text ({', '.join(texts.shipped_names())})")
     try:
-        rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split=split)
-    except Exception as exc:
-        log.info("could not load WikiText-2 from the hub: %s", exc)
-        return None
-    return TextSource(text="".join(rows["text"]), description=f"WikiText-2 raw {split} (hub)")
+        rows = datasets.load_dataset(dataset, config or None, split=split)
+    except Exception as exc:  # datasets raises many types (network, missing split, bad config)
+        raise DataError(f"could not load {split} split of {HUB_PREFIX}{spec} from the hub: {exc}") from exc
+    if "text" not in rows.column_names:
+        raise DataError(f"{HUB_PREFIX}{spec} has no 'text' column (it has {', '.join(rows.column_names)})")
+    return TextSource(text="".join(rows["text"]), description=f"{dataset} {config} {split} (hub)".replace("  ", " "),
+                      kind="hub")
+
+
+def load_text(spec: str | None, split: texts.Split = "test") -> TextSource:
+    """A shipped text by name (the default: WikiText-2), 'hub:DATASET[:CONFIG]', or a file path."""
+    spec = DEFAULT_TEXT if spec is None else str(spec)
+    if texts.is_shipped(spec):
+        return shipped_text(spec, split)
+    if spec.lower().startswith(HUB_PREFIX):
+        return text_from_hub(spec[len(HUB_PREFIX):], split)
+    if spec.lower() == SELF_TEXT:
+        raise DataError("'self' (text the model generates) needs the model; it is resolved by resolve_text")
+    return read_text_file(spec)
 
 
 @torch.no_grad()
 def generate_text(model: torch.nn.Module, tokenizer: object, tokens: int, seed: int = 0,
                   batch: int = 8) -> TextSource:
-    """Text sampled from the (unquantized) model itself, starting from BOS: an offline stand-in for a corpus."""
+    """Text sampled from the (unquantized) model itself, starting from BOS. Only on request: a model scoring its own
+    samples says little about how well it models real text."""
     per_row = -(-tokens // batch) + 16
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     prompt = torch.full((batch, 1), start, dtype=torch.long)
@@ -79,23 +121,18 @@ def generate_text(model: torch.nn.Module, tokenizer: object, tokens: int, seed: 
     finally:
         torch.random.set_rng_state(generator_state)
     text = "\n\n".join(tokenizer.decode(row[1:], skip_special_tokens=True) for row in out)
-    return TextSource(text=text, description=f"self-generated ({batch}x{per_row} tokens sampled, seed {seed})")
+    return TextSource(text=text, description=f"self-generated by the unquantized model ({batch}x{per_row} tokens "
+                      f"sampled, seed {seed})", kind="self-generated")
 
 
 def resolve_text(spec: str | None, model: torch.nn.Module, tokenizer: object, tokens_needed: int,
-                 seed: int = 0) -> TextSource:
-    """A file path; 'wikitext2' (hub); 'self'; or None: WikiText-2 from the hub if reachable, else self-generated."""
-    if spec is not None and spec.lower() not in WIKITEXT_NAMES and spec.lower() != "self":
-        return read_text_file(spec)
-    if spec is None or spec.lower() in WIKITEXT_NAMES:
-        source = wikitext2_from_hub("test")
-        if source is not None:
-            return source
-        if spec is not None:
-            raise DataError("WikiText-2 is not reachable on the hub from here; pass a local copy with --text PATH")
-        log.warning("no evaluation text given and WikiText-2 is not reachable: using text the unquantized model "
-                    "generates (pass --text PATH for a real corpus)")
-    return generate_text(model, tokenizer, tokens_needed, seed)
+                 seed: int = 0, split: texts.Split = "test") -> TextSource:
+    """`load_text`'s sources, plus 'self': text the model generates, made only when asked for by name."""
+    if spec is not None and str(spec).lower() == SELF_TEXT:
+        log.warning("evaluating on text the unquantized model generates itself (--text self): the figures say how "
+                    "the model scores its own samples, not real text")
+        return generate_text(model, tokenizer, tokens_needed, seed)
+    return load_text(spec, split)
 
 
 def tokenize(tokenizer: object, text: str) -> torch.Tensor:
@@ -118,32 +155,20 @@ def consecutive_chunks(ids: torch.Tensor, seqlen: int, count: int | None = None)
     return ids[: n * seqlen].reshape(n, seqlen)
 
 
-# Evaluation splits by the sha256 of their files: calibrating on one of them would flatter every result.
-EVALUATION_SPLITS = {
-    "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c": "WikiText-2 raw test",
-}
-
-
-def calibration_ids(spec: str, model: torch.nn.Module, tokenizer: object, samples: int = 64, seqlen: int = 512,
-                    seed: int = 0) -> tuple[torch.Tensor, TextSource]:
+def calibration_ids(spec: str | None, model: torch.nn.Module, tokenizer: object, samples: int = 64,
+                    seqlen: int = 512, seed: int = 0) -> tuple[torch.Tensor, TextSource]:
     """Calibration token ids [samples, seqlen]: the first consecutive chunks of a text.
 
-    `spec` is a text file, 'wikitext2' (validation split from the hub) or 'self' (text the model generates).
+    `spec` is a file, a shipped text ('wikitext2', the default: its validation split), 'hub:DATASET[:CONFIG]'
+    (validation split) or 'self' (text the model generates).
     """
     if samples <= 0:
         raise DataError(f"the number of calibration samples must be positive, got {samples}")
-    if spec.lower() in WIKITEXT_NAMES:
-        source = wikitext2_from_hub("validation")
-        if source is None:
-            raise DataError("WikiText-2 is not reachable on the hub from here; pass a local copy of its validation "
-                            "split with --calib PATH (e.g. ../shared/data/wikitext-2/valid.txt)")
-    elif spec.lower() == "self":
-        source = generate_text(model, tokenizer, samples * seqlen + 1, seed)
-    else:
-        source = read_text_file(spec)
-    if source.sha256 in EVALUATION_SPLITS:
-        raise DataError(f"{source.description} is the {EVALUATION_SPLITS[source.sha256]} split, used for evaluation; "
-                        "calibrating on it is refused. Use a training or validation split")
+    source = resolve_text(spec, model, tokenizer, samples * seqlen + 1, seed, split="validation")
+    if source.sha256 in texts.EVALUATION_SHA256:
+        raise DataError(f"{source.description} is the {texts.EVALUATION_SHA256[source.sha256]} split, used for "
+                        "evaluation; calibrating on it is refused. Use a training or validation split (--calib "
+                        "wikitext2 gives WikiText-2 validation)")
     ids = consecutive_chunks(tokenize(tokenizer, source.text), seqlen, samples)
     if ids.shape[0] < samples:
         log.warning("%s gives only %d calibration samples of %d tokens (asked for %d)", source.description,

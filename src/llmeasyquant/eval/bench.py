@@ -1,6 +1,6 @@
 """bench: speed and memory of a model against its float baseline, measured in one process, interleaved.
 
-Protocol (DESIGN.md): batch 1, a `prompt_tokens` prompt (default 128), `new_tokens` greedy tokens (default 64);
+Protocol: batch 1, a `prompt_tokens` prompt (default 128), `new_tokens` greedy tokens (default 64);
 prefill also at `prefill_tokens` (default 512). Each repeat times every model in turn, so a machine that slows
 down mid-run slows all of them alike; the median of the repeats is reported, and speed-ups are ratios to the
 baseline from the same repeats. Beside the speeds: the bytes of weights each decoded token reads, the machine's

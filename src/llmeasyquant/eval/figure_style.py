@@ -9,9 +9,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from llmeasyquant.calibration.data import EVALUATION_SPLITS
 from llmeasyquant.eval.plots import _pyplot, _save
 from llmeasyquant.models.load import BUNDLED_FILE, BUNDLED_NAMES
+from llmeasyquant.texts import EVALUATION_SHA256
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ def _model_label(model: str) -> str:
 
 def _text_label(protocol: dict) -> str:
     source = str(protocol.get("text_source") or "text not recorded")
-    known = EVALUATION_SPLITS.get(protocol.get("text_sha256", ""))
-    return f"{known} ({source})" if known else source
+    known = EVALUATION_SHA256.get(protocol.get("text_sha256", ""))
+    return f"{known} ({source})" if known and not source.startswith(known) else source
 
 
 def protocol_caption(records: list[dict]) -> str:

@@ -1,6 +1,6 @@
 """Protocol-explicit perplexity, and the window loop that also measures fidelity against a reference model.
 
-Protocol (DESIGN.md): the text is tokenized once without BOS, cut into non-overlapping windows of `seqlen`
+Protocol: the text is tokenized once without BOS, cut into non-overlapping windows of `seqlen`
 tokens (last partial window dropped, first `max_windows` kept); every position but the last of a window predicts
 the next token; ppl = exp(mean NLL over all predicted tokens).
 """
@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,7 +25,13 @@ from llmeasyquant.eval.fidelity import kl_sum, top1_matches
 @dataclass(frozen=True)
 class EvalWindows:
     ids: torch.Tensor  # [windows, seqlen]
-    protocol: dict  # text_sha256, text_source, seqlen, max_windows, windows, bos, tokenizer
+    protocol: dict  # text_sha256, text_source, text_kind, seqlen, max_windows, windows, bos, tokenizer
+
+
+def tokenizer_name(tokenizer: object) -> str:
+    """The tokenizer's hub id or folder name: a record names what was used, not where this machine keeps it."""
+    name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+    return Path(name).name if Path(name).is_absolute() else name
 
 
 def make_windows(tokenizer: object, source: TextSource, seqlen: int = 512,
@@ -33,9 +40,9 @@ def make_windows(tokenizer: object, source: TextSource, seqlen: int = 512,
         raise ValueError(f"max_windows must be positive, got {max_windows}")
     ids = consecutive_chunks(tokenize(tokenizer, source.text), seqlen, max_windows)
     protocol = {
-        "text_source": source.description, "text_sha256": source.sha256, "seqlen": seqlen,
-        "max_windows": max_windows, "windows": ids.shape[0], "bos": False,
-        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+        "text_source": source.description, "text_kind": source.kind, "text_sha256": source.sha256,
+        "seqlen": seqlen, "max_windows": max_windows, "windows": ids.shape[0], "bos": False,
+        "tokenizer": tokenizer_name(tokenizer),
     }
     return EvalWindows(ids=ids, protocol=protocol)
 

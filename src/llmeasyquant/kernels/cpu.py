@@ -52,7 +52,7 @@ class Int8DynamicActKernel:
 
     def prepare(self, layer) -> dict:
         # The stored [out, in] codes seen as [in, out] column-major: no copy, and oneDNN's int8 GEMM is as fast on
-        # it at every M and 2-3x faster at M=1 (decode) than on a contiguous [in, out] copy (kernel_speed.py).
+        # it at every M as on a contiguous [in, out] copy, and faster at M=1 (decode).
         wt = layer.qweight.t()
         prepared = {"wt": wt, "scale": layer.scales[:, 0].float(), "w_sum": wt.sum(dim=0, dtype=torch.int32)}
         if layer.zeros is not None:
