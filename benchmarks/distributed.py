@@ -32,9 +32,9 @@ RECIPES = {"rtn": "rtn", "gptq": "gptq", "awq": "awq", "smoothquant": "smoothqua
 def worker(args: argparse.Namespace) -> None:
     """One rank (or the single process): quantize, save codes, evaluate; writes rank{R}.json / .safetensors."""
     import llmeasyquant as lq
-    from llmeasyquant import distributed
     from llmeasyquant.calibration.data import calibration_ids, load_text
     from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
+    from llmeasyquant.infra import distributed
     from llmeasyquant.methods import recipe_by_name
 
     if distributed.launched_by_torchrun():
@@ -120,7 +120,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    from llmeasyquant.eval.report import record, write_json
+    from llmeasyquant.record import Record, write_records
 
     rows = [compare(m.strip(), args) for m in args.methods.split(",") if m.strip()]
     for row in rows:
@@ -128,7 +128,7 @@ def main() -> int:
     protocol = {"calib": "WikiText-2 validation, first chunks", "calib_samples": args.calib_samples,
                 "calib_seqlen": 512, "eval": "WikiText-2 raw test", "seqlen": 512, "max_windows": args.max_windows,
                 "backend": "gloo", "threads_single": 2, "threads_per_rank": 1}
-    write_json(args.out, record("distributed", "smollm2-135m", {"rows": rows}, protocol))
+    write_records(args.out, Record.new("distributed", "smollm2-135m", {"rows": rows}, protocol))
     return 0
 
 

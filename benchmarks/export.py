@@ -24,13 +24,14 @@ import torch
 
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids, load_text
+from llmeasyquant.eval.export_check import check_export
 from llmeasyquant.eval.perplexity import make_windows
-from llmeasyquant.eval.report import markdown_table, record, write_json
-from llmeasyquant.export.check import check_export
 from llmeasyquant.export.checkpoint import checkpoint_bytes
 from llmeasyquant.export.formats import export
 from llmeasyquant.methods import recipe_by_name
 from llmeasyquant.models.load import bundled_gguf
+from llmeasyquant.record import Record, write_records
+from llmeasyquant.report.tables import markdown_table
 
 RUNS = (  # (recipe, scheme, options, formats the checkpoint is exported to)
     ("smoothquant", "w8a8", {"alpha": 0.8}, ("compressed-tensors", "onnx")),
@@ -87,7 +88,7 @@ def main() -> int:
     protocol = windows.protocol | {"calib_source": source.description, "calib_sha256": source.sha256,
                                    "calib_samples": args.calib_samples, "calib_seqlen": 512,
                                    "ours": "reference kernel (fp32)"}
-    write_json(args.out, record("export", "smollm2-135m", {"rows": rows}, protocol))
+    write_records(args.out, Record.new("export", "smollm2-135m", {"rows": rows}, protocol))
     print(markdown_table(rows, COLUMNS))
     return 0
 

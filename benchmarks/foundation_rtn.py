@@ -13,8 +13,9 @@ import logging
 import sys
 from pathlib import Path
 
-from llmeasyquant import compare, parse_scheme
-from llmeasyquant.eval.report import markdown_table, write_json
+from llmeasyquant import CompareSpec, compare, parse_scheme
+from llmeasyquant.record import write_records
+from llmeasyquant.report.tables import markdown_table
 
 SCHEMES = (
     "w8a16,w8a8,w8a8-aasym,w8a16-asym,w8a16-g128,w4a16-g64-asym,w4a16-g128-asym,w4a16-g64,w4a16-g32-asym,w3a16-g64-asym"
@@ -31,9 +32,10 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     schemes = [parse_scheme(s) for s in args.schemes.split(",")]
-    records = compare("smollm2-135m", schemes, "rtn", args.text, args.seqlen, args.max_windows)
-    write_json(args.out, records)
-    print(markdown_table([r["metrics"] for r in records]))
+    records = compare(CompareSpec("smollm2-135m", schemes, "rtn", text=args.text, seqlen=args.seqlen,
+                                  max_windows=args.max_windows))
+    write_records(args.out, records)
+    print(markdown_table([r.metrics for r in records]))
     return 0
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from llmeasyquant import QuantLinear, parse_scheme
-from llmeasyquant.eval.report import record, write_json
+from llmeasyquant.record import Record, write_records
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576))  # (in, out): gate/up, down, q/o projections of SmolLM2
 TOKENS = (1, 128, 512)
@@ -72,7 +72,7 @@ def main() -> int:
             print(f"{'':12s} M={tokens:<4d} _weight_int8pack_mm: fp32 inputs {fp32_act:8.3f} ms, "
                   f"bf16 inputs {bf16_act:8.3f} ms")
     protocol = {"threads": torch.get_num_threads(), "repeat": 20, "statistic": "median", "seed": 0}
-    write_json(args.out, record("bench", "synthetic SmolLM2 layer shapes", {"rows": rows}, protocol))
+    write_records(args.out, Record.new("bench", "synthetic SmolLM2 layer shapes", {"rows": rows}, protocol))
     return 0
 
 

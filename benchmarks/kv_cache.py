@@ -21,9 +21,10 @@ from transformers.cache_utils import DynamicCache
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
-from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.methods.simquant import SimQuant
-from llmeasyquant.nn.kv_cache import KVQuantConfig
+from llmeasyquant.nn.kv.config import KVQuantConfig
+from llmeasyquant.record import Record, write_records
+from llmeasyquant.report.tables import markdown_table
 
 # name -> (cache options, calibrated key ranges?)
 # "k3" rows are 3 bits with the options 4 bits default to; "k3-b16-o3-c2" is what 3 bits default to.
@@ -165,7 +166,7 @@ def main() -> int:
                                    "calib_source": source.description, "calib_sha256": source.sha256,
                                    "calib_samples": int(calib.shape[0]), "calib_seqlen": 512,
                                    "threads": torch.get_num_threads()}
-    write_json(args.out, record("kv_cache", "smollm2-135m", {"rows": rows, **extras}, protocol))
+    write_records(args.out, Record.new("kv_cache", "smollm2-135m", {"rows": rows, **extras}, protocol))
     return 0
 
 

@@ -21,9 +21,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from kv_cache import CONFIGS, chosen_configs, model_text_calibration
-from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.methods.simquant import SimQuant
-from llmeasyquant.nn.kv_cache import KVQuantConfig
+from llmeasyquant.nn.kv.config import KVQuantConfig
+from llmeasyquant.record import Record, write_records
+from llmeasyquant.report.tables import markdown_table
 
 COLUMNS = (("context", "context", "d"), ("cache", "cache", ""), ("decode tok/s", "decode_tok_s", ".1f"),
            ("× unquantized", "ratio", ".2f"))
@@ -75,7 +76,7 @@ def main() -> int:
                 "loop": "transformers", "steps": args.steps, "rounds": args.rounds,
                 "calib_source": source.description, "calib_samples": int(calib.shape[0]), "calib_seqlen": 512,
                 "threads": torch.get_num_threads()}
-    write_json(args.out, record("kv_decode_speed", "smollm2-135m", {"rows": rows}, protocol))
+    write_records(args.out, Record.new("kv_decode_speed", "smollm2-135m", {"rows": rows}, protocol))
     return 0
 
 

@@ -22,9 +22,10 @@ from pathlib import Path
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
-from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.export.checkpoint import bits_per_weight, checkpoint_bytes
 from llmeasyquant.methods import recipe_by_name
+from llmeasyquant.record import Record, write_records
+from llmeasyquant.report.tables import markdown_table
 
 RUNS = (  # (recipe, scheme, options)
     ("rtn", "w8a8", {}),
@@ -97,7 +98,7 @@ def main() -> int:
     table = [rows[name] | m | {"top1_pct": 100 * m["top1"]} for name, m in metrics.items()]
     protocol = windows.protocol | {"calib_source": source.description, "calib_sha256": source.sha256,
                                    "calib_samples": counts, "calib_seqlen": 512}
-    write_json(args.out, record("compare", "smollm2-135m", {"rows": table}, protocol))
+    write_records(args.out, Record.new("compare", "smollm2-135m", {"rows": table}, protocol))
     print(markdown_table(table, COLUMNS))
     return 0
 

@@ -25,10 +25,11 @@ import torch
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
-from llmeasyquant.eval.plots import plot_bits_per_layer, plot_size_quality
-from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.export.checkpoint import WEIGHTS_FILE, bits_per_weight
-from llmeasyquant.runs import float_bytes
+from llmeasyquant.jobs.compare import float_bytes
+from llmeasyquant.record import Record, write_records
+from llmeasyquant.report.plots import plot_bits_per_layer, plot_size_quality
+from llmeasyquant.report.tables import markdown_table
 from llmeasyquant.scheme import PerGroup, QuantScheme
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +123,7 @@ def main() -> int:
                                               "probe_tokens": search.probe_tokens}}
     results = {"search_s": sens.measure_s, "fp32_ppl": base_ppl, "fp16_bytes": fp16_bytes, "rows": table,
                "checks": checks}
-    write_json(args.out, record("mixed_precision", "smollm2-135m", results, protocol))
+    write_records(args.out, Record.new("mixed_precision", "smollm2-135m", results, protocol))
     label = f"SmolLM2-135M, GPTQ g{args.group_size}, WikiText-2 test, {args.max_windows} x 512 tokens"
     series = {kind: [(r["tensor_mb"], r["ppl"]) for r in rows.values() if r["kind"] == kind]
               for kind in ("uniform", "searched")}

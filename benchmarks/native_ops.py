@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from kernel_speed import median_ms  # benchmarks/ is the script's own folder, first on the path
 from llmeasyquant import QuantLinear, parse_scheme
-from llmeasyquant.eval.report import record, write_json
 from llmeasyquant.kernels import ALL_KERNELS, native
 from llmeasyquant.kernels.cpu import quantize_rows_symmetric
 from llmeasyquant.primitives import MIN_SCALE
+from llmeasyquant.record import Record, write_records
 
 PROMPT, HEADS, KV_HEADS, HEAD_DIM = 512, 9, 3, 64
 LINEAR_SHAPES = ((576, 960), (576, 3072), (1536, 576))  # (in, out): fused q/k/v, fused gate/up, down
@@ -93,7 +93,8 @@ def main() -> int:
             print(f"{threads} thr  w4a16-g64-asym {row['in']}x{row['out']} at {row['tokens']:3d} rows (ms): {times}")
     protocol = {"prompt_tokens": PROMPT, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                 "w4a16_scheme": "w4a16-g64-asym", "repeats": 20, "statistic": "median"}
-    write_json(args.out, record("kernels", "smollm2-135m shapes", {str(k): v for k, v in results.items()}, protocol))
+    write_records(args.out, Record.new("kernels", "smollm2-135m shapes", {str(k): v for k, v in results.items()},
+                                       protocol))
     print(f"wrote {args.out}")
     return 0
 

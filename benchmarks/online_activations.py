@@ -18,8 +18,9 @@ from pathlib import Path
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows, perplexity
-from llmeasyquant.eval.report import markdown_table, record, write_json
 from llmeasyquant.methods import recipe_by_name
+from llmeasyquant.record import Record, write_records
+from llmeasyquant.report.tables import markdown_table
 
 RUNS = (  # (row name, recipe, scheme, options of make_scheme's online mode)
     ("dynamic per-token", "rtn", "w8a8", {}),
@@ -41,8 +42,8 @@ def scheme_for(name: str, online: dict) -> lq.QuantScheme:
     scheme = lq.parse_scheme(name)
     if not online:
         return scheme
-    act = lq.ActScheme(bits=8, symmetric=scheme.act.symmetric, dynamic=False, granularity=scheme.act.granularity,
-                       online=True, **online)
+    act = lq.ActScheme(bits=8, symmetric=scheme.act.symmetric, mode=lq.ActMode.ONLINE,
+                       granularity=scheme.act.granularity, **online)
     return lq.QuantScheme(scheme.bits, scheme.symmetric, scheme.granularity, act)
 
 
@@ -66,7 +67,7 @@ def main() -> int:
         lq.quantize(model, recipe, scheme, calib=calib if needs_calib else None)
         row = {"name": name, "method": recipe_name, "scheme": scheme.name, "online": online,
                "calibration": source.description if needs_calib else "none", "quantize_s": time.perf_counter() - start}
-        if scheme.act.online:  # the stream's first window: the range starts from nothing
+        if scheme.act.mode is lq.ActMode.ONLINE:  # the stream's first window: the range starts from nothing
             row["first_window_ppl"] = perplexity(model, first, progress=False)["ppl"]
         models[name], rows = model, [*rows, row]
     results = evaluate_windows(models, scored, reference="fp32")
@@ -80,8 +81,8 @@ def main() -> int:
     print(table)
     protocol = {**windows.protocol, "scored_windows": "2..N", "calibration": source.description,
                 "calib_samples": args.calib_samples, "weights": "rtn w8 per channel symmetric"}
-    write_json(args.out, record("online_activations", "smollm2-135m",
-                                {"rows": rows, "fp32": results["fp32"], "table": table}, protocol))
+    write_records(args.out, Record.new("online_activations", "smollm2-135m",
+                                       {"rows": rows, "fp32": results["fp32"], "table": table}, protocol))
     return 0
 
 

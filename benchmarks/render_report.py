@@ -13,8 +13,8 @@ import re
 import sys
 from pathlib import Path
 
-from llmeasyquant.eval.browser_check import find_chromium, images_loaded, screenshot
-from llmeasyquant.eval.report import record, write_json
+from llmeasyquant.record import Record, write_records
+from llmeasyquant.report.browser import find_chromium, images_loaded, screenshot
 
 
 def main() -> int:
@@ -37,7 +37,7 @@ def main() -> int:
                "external_urls": len(external), "screenshot": str(png), "screenshot_bytes": png.stat().st_size
                if png.is_file() else 0, "report_bytes": args.report.stat().st_size}
     print("\n".join(f"{key}: {value}" for key, value in metrics.items()))
-    write_json(args.out, record("report_render", "-", metrics, {"browser": browser, "report": str(args.report)}))
+    write_records(args.out, Record.new("report_render", "-", metrics, {"browser": browser, "report": str(args.report)}))
     ok = loaded is not None and all(loaded) and not external and metrics["screenshot_bytes"] > 0
     if not ok:
         print(stderr[-2000:], file=sys.stderr)

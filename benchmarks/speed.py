@@ -37,10 +37,10 @@ from llmeasyquant.calibration.data import load_text, tokenize
 from llmeasyquant.eval.bench import BenchConfig, bench, memory_bandwidth_gbs, summary_lines
 from llmeasyquant.eval.fidelity import kl_sum, top1_matches
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
-from llmeasyquant.eval.report import record, write_json
-from llmeasyquant.kernels import forced_kernel
 from llmeasyquant.models.load import bundled_gguf
+from llmeasyquant.nn.qlinear import forced_kernel
 from llmeasyquant.plan import Plan, Rule
+from llmeasyquant.record import Record, write_records
 
 RUNS = (  # (row name, body scheme, LM head scheme or None)
     ("w8a16", "w8a16", None),
@@ -218,7 +218,7 @@ def main() -> int:
     protocol = {"batch": 1, "prompt": f"first tokens of {source.description}", "prompt_tokens": 128,
                 "new_tokens": 64, "prefill_tokens": 512, "repeats": args.repeats, "threads": list(threads),
                 "greedy": True, "accuracy_windows": windows.protocol}
-    write_json(args.out, record("bench", "smollm2-135m", {"rows": rows, "llama_cpp": llama_rows}, protocol))
+    write_records(args.out, Record.new("bench", "smollm2-135m", {"rows": rows, "llama_cpp": llama_rows}, protocol))
     return 0
 
 

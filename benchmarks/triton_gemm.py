@@ -153,7 +153,7 @@ def main() -> int:
     except ImportError:
         print("benchmarks/triton_gemm.py needs triton: pip install -e '.[gpu]'", file=sys.stderr)
         return 2
-    from llmeasyquant.eval.report import record, write_json
+    from llmeasyquant.record import Record, write_records
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     torch.manual_seed(0)
@@ -172,7 +172,7 @@ def main() -> int:
     gpu = {"name": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__}
     metrics = {"gpu": gpu, "rows": rows, "failures": failures}
-    write_json(args.out, record("bench", "synthetic hidden-4096 linear shapes", metrics, protocol))
+    write_records(args.out, Record.new("bench", "synthetic hidden-4096 linear shapes", metrics, protocol))
     log.info("wrote %s", args.out)
     if failures:
         log.error("%d case(s) gave wrong results (M, K, N): %s", len(failures), failures)

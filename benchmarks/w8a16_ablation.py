@@ -18,7 +18,7 @@ import llmeasyquant as lq
 from llmeasyquant.api import round_unquantized_to_fp16
 from llmeasyquant.calibration.data import load_text
 from llmeasyquant.eval.perplexity import evaluate_windows, make_windows
-from llmeasyquant.eval.report import record, write_json
+from llmeasyquant.record import Record, write_records
 
 
 def rtn(base: torch.nn.Module, keep_fp32: bool, kernel: str | None = None) -> torch.nn.Module:
@@ -71,7 +71,7 @@ def main() -> int:
     print("| variant | ppl | KL | top-1 % |\n|---|---|---|---|")
     for name, m in metrics.items():
         print(f"| {name} | {m['ppl']:.3f} | {m['kld']:.5f} | {100 * m['top1']:.2f} |")
-    write_json(args.out, record("eval", "smollm2-135m", metrics, windows.protocol))
+    write_records(args.out, Record.new("eval", "smollm2-135m", metrics, windows.protocol))
     return 0
 
 

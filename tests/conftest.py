@@ -89,7 +89,7 @@ def build_model(kind: str) -> torch.nn.Module:
 @pytest.fixture(autouse=True)
 def _fixed_kernel_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """The registry's first supporting kernel, for every row count: tests that name the kernel they expect stay
-    reproducible. The measured choice (kernels/choice.py) is tested on its own in test_kernel_choice.py."""
+    reproducible. The measured choice (kernels/choice.py) is tested on its own in kernels/test_choice.py."""
     monkeypatch.setenv("LLMEASYQUANT_KERNEL_CHOICE", "first")
 
 

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 
 import llmeasyquant as lq
 from conftest import build_model
-from llmeasyquant import distributed
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows
+from llmeasyquant.infra import distributed
 
 
 def calib_ids() -> torch.Tensor:

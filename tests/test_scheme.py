@@ -15,6 +15,7 @@ from llmeasyquant.scheme import (
     W4A16_G128,
     W8A8,
     W8A16,
+    ActMode,
     ActScheme,
     PerChannel,
     PerGroup,
@@ -70,7 +71,7 @@ def test_parse_scheme_a16_means_no_activation_quantization():
     assert parse_scheme("w4a16-g32").act is None
     act = parse_scheme("w8a8").act
     assert act is not None
-    assert (act.bits, act.symmetric, act.dynamic, act.granularity) == (8, True, True, PerToken())
+    assert (act.bits, act.symmetric, act.mode, act.granularity) == (8, True, ActMode.DYNAMIC, PerToken())
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=lambda s: f"{s.name}-{type(s.granularity).__name__}")
@@ -160,6 +161,24 @@ def test_granularity_str_round_trip(granularity):
 def test_unknown_granularity_string():
     with pytest.raises(ConfigError, match="granularity"):
         granularity_from_str("row")
+
+
+@pytest.mark.parametrize("mode, act", [
+    (ActMode.DYNAMIC, {"dynamic": True, "granularity": "token"}),
+    (ActMode.STATIC, {"dynamic": False, "granularity": "tensor"}),
+    (ActMode.ONLINE, {"dynamic": False, "granularity": "tensor", "online": True, "momentum": 0.5, "eps": 1e-3,
+                      "std_floor": True}),
+])
+def test_old_checkpoint_act_dicts_round_trip(mode, act):
+    """Checkpoints store the activation mode as `dynamic` and `online` flags; those dicts load and are written back
+    unchanged, key for key."""
+    old = {"bits": 8, "symmetric": True, "granularity": "channel", "act": {"bits": 8, "symmetric": False, **act}}
+    scheme = QuantScheme.from_dict(json.loads(json.dumps(old)))
+    assert scheme.act.mode is mode
+    assert scheme.to_dict() == old and json.dumps(scheme.to_dict()) == json.dumps(old)
+    # Before the online mode, checkpoints held no `online` key at all; one saying `online: false` loads too.
+    if mode is not ActMode.ONLINE:
+        assert QuantScheme.from_dict(old | {"act": old["act"] | {"online": False}}) == scheme
 
 
 def test_from_dict_rejects_bad_bits():
@@ -271,7 +290,16 @@ def test_make_scheme_activation_bits_other_than_8(act_bits):
 
 def test_static_activations_rejected():
     with pytest.raises(ConfigError, match="static"):
-        ActScheme(dynamic=False)
+        ActScheme(mode=ActMode.STATIC)
+
+
+def test_act_mode_is_an_enum_that_prints_its_value():
+    assert [str(m) for m in ActMode] == ["dynamic", "static", "online"]
+    assert f"{ActMode.ONLINE}" == "online" and ActMode.STATIC == "static"
+    assert ActScheme(mode="static", granularity=PerTensor()).mode is ActMode.STATIC  # strings are read as modes
+    assert make_scheme(8, act_bits=8, act_mode="online").act.mode is ActMode.ONLINE
+    with pytest.raises(ConfigError, match="unknown activation mode 'sometimes'; choose one of dynamic, static"):
+        ActScheme(mode="sometimes", granularity=PerTensor())
 
 
 @pytest.mark.parametrize("granularity", [PerChannel(), PerGroup(64)])

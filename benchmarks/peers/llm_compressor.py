@@ -22,7 +22,8 @@ import torch
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids, load_text
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows, make_windows
-from llmeasyquant.eval.report import markdown_table, record, write_json
+from llmeasyquant.record import Record, write_records
+from llmeasyquant.report.tables import markdown_table
 
 
 def recipes() -> dict[str, list]:
@@ -72,9 +73,9 @@ def main() -> int:
             size = sum(f.stat().st_size for f in Path(scratch).glob("*.safetensors"))
         rows.append({"method": f"llm-compressor {name}", **metrics, "quantize_s": seconds,
                      "quantize_units": seconds / unit_s, "checkpoint_mb": size / 2**20})
-    write_json(args.out, record("peers_llm_compressor", "smollm2-135m", {"rows": rows},
-                                {**windows.protocol, "calib_samples": args.calib_samples, "calib_seqlen": 512},
-                                command=" ".join(["python", *sys.argv])))
+    write_records(args.out, Record.new("peers_llm_compressor", "smollm2-135m", {"rows": rows},
+                                       {**windows.protocol, "calib_samples": args.calib_samples, "calib_seqlen": 512},
+                                       command=" ".join(["python", *sys.argv])))
     print(markdown_table(rows, (("method", "method", ""), ("ppl", "ppl", ".3f"), ("KL", "kld", ".5f"),
                                 ("quant s", "quantize_s", ".1f"), ("units", "quantize_units", ".1f"),
                                 ("ckpt MB", "checkpoint_mb", ".1f"))))

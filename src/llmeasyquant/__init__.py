@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from llmeasyquant.api import quantize
 from llmeasyquant.errors import (
     CheckpointError,
@@ -13,17 +11,20 @@ from llmeasyquant.errors import (
     ModelLoadError,
     OutputExistsError,
 )
-from llmeasyquant.export.check import check_export
+from llmeasyquant.eval.export_check import check_export
 from llmeasyquant.export.checkpoint import load, save
 from llmeasyquant.export.formats import export
+from llmeasyquant.jobs.compare import CompareSpec, compare
+from llmeasyquant.jobs.evaluate import evaluate
 from llmeasyquant.methods import AWQ, GPTQ, RTN, SmoothQuant, ZeroQuant
 from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.load import load_model
 from llmeasyquant.nn.fused import fuse_shared_inputs
-from llmeasyquant.nn.kv_cache import KVCacheSpec, KVQuantConfig, QuantizedKVCache
+from llmeasyquant.nn.kv.cache import KVCacheSpec, QuantizedKVCache
+from llmeasyquant.nn.kv.config import KVQuantConfig
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan, Rule
-from llmeasyquant.runs import compare, evaluate
+from llmeasyquant.record import Record, read_records, write_records
 from llmeasyquant.runtime.decoder import LeanDecoder
 from llmeasyquant.scheme import (
     W4A8_G128,
@@ -31,6 +32,7 @@ from llmeasyquant.scheme import (
     W4A16_G128,
     W8A8,
     W8A16,
+    ActMode,
     ActScheme,
     PerChannel,
     PerGroup,
@@ -41,6 +43,7 @@ from llmeasyquant.scheme import (
     parse_scheme,
 )
 from llmeasyquant.search import Budget, MixedPrecisionSearch
+from llmeasyquant.version import __version__
 
 __all__ = [
     "AWQ",
@@ -51,9 +54,11 @@ __all__ = [
     "W4A16_G128",
     "W8A8",
     "W8A16",
+    "ActMode",
     "ActScheme",
     "Budget",
     "CheckpointError",
+    "CompareSpec",
     "ConfigError",
     "DataError",
     "KVCacheSpec",
@@ -71,6 +76,7 @@ __all__ = [
     "QuantLinear",
     "QuantScheme",
     "QuantizedKVCache",
+    "Record",
     "Rule",
     "SimQuant",
     "SmoothQuant",
@@ -86,5 +92,7 @@ __all__ = [
     "make_scheme",
     "parse_scheme",
     "quantize",
+    "read_records",
     "save",
+    "write_records",
 ]

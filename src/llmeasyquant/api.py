@@ -13,11 +13,10 @@ from torch import nn
 
 from llmeasyquant.calibration.sequential import BlockReport, run_sequential
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.methods.base import Method, rtn_quant_linear
-from llmeasyquant.methods.simquant import SimQuant
+from llmeasyquant.methods.base import CacheMethod, Method, Quantizer, Step, Transform, rtn_quant_linear
 from llmeasyquant.models.arch import arch_for, get_module, set_module
 from llmeasyquant.models.streaming import BlockStreamer
-from llmeasyquant.nn.kv_cache import KVCacheSpec
+from llmeasyquant.nn.kv.cache import KVCacheSpec
 from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear
 from llmeasyquant.plan import Plan
 from llmeasyquant.scheme import QuantScheme, parse_scheme
@@ -38,25 +37,25 @@ class QuantizationInfo:
     kv_cache: KVCacheSpec | None = None  # the quantized KV cache to run with, when the recipe had SimQuant
 
 
-def _split_recipe(recipe: Sequence[Method]) -> tuple[list[Method], SimQuant | None]:
+def _split_recipe(recipe: Sequence[Step]) -> tuple[list[Method], CacheMethod | None]:
     """The weight methods, and the KV-cache method (SimQuant) when the recipe names one."""
-    caches = [m for m in recipe if getattr(m, "kind", None) == "cache"]
+    caches = [m for m in recipe if isinstance(m, CacheMethod)]
     if len(caches) > 1:
         raise ConfigError("a recipe holds at most one KV-cache method (SimQuant)")
-    return [m for m in recipe if getattr(m, "kind", None) != "cache"], (caches[0] if caches else None)
+    return [m for m in recipe if not isinstance(m, CacheMethod)], (caches[0] if caches else None)
 
 
 def _check_recipe(recipe: Sequence[Method]) -> None:
     if not recipe:
         raise ConfigError("the recipe is empty; give at least one quantizer, e.g. [RTN()]")
-    kinds = [getattr(m, "kind", None) for m in recipe]
-    if any(k not in ("transform", "quantizer") for k in kinds):
-        raise ConfigError(f"a recipe holds method objects such as RTN(); got {list(recipe)!r}")
-    if kinds.count("quantizer") != 1 or kinds[-1] != "quantizer":
+    if not all(isinstance(m, Transform | Quantizer) for m in recipe):
+        raise ConfigError("a recipe holds method objects (Transform, Quantizer or CacheMethod subclasses) such as "
+                          f"RTN(); got {list(recipe)!r}")
+    if sum(isinstance(m, Quantizer) for m in recipe) != 1 or not isinstance(recipe[-1], Quantizer):
         raise ConfigError("a recipe is transforms followed by exactly one quantizer, e.g. [SmoothQuant(), RTN()]")
 
 
-def default_scheme(recipe: Sequence[Method]) -> QuantScheme:
+def default_scheme(recipe: Sequence[Step]) -> QuantScheme:
     """The scheme a recipe is made for: its first method's (`smoothquant+gptq` -> W8A8, `awq+gptq` -> W4A16 g128)."""
     return parse_scheme(_split_recipe(recipe)[0][0].default_scheme)
 
@@ -79,7 +78,7 @@ def round_unquantized_to_fp16(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize(model: nn.Module, recipe: Method | Sequence[Method], plan: Plan | QuantScheme | None = None,
+def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | QuantScheme | None = None,
              calib: torch.Tensor | None = None, keep_fp32: bool = False, progress: bool = True,
              stream: BlockStreamer | None = None) -> nn.Module:
     """Quantize `model` in place and return it.

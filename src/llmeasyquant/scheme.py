@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from llmeasyquant.errors import ConfigError
 
@@ -47,44 +48,60 @@ def _check_bits(bits: int, what: str) -> None:
         raise ConfigError(f"unsupported {what} bit width {bits!r}; choose one of {', '.join(map(str, SUPPORTED_BITS))}")
 
 
-ACT_MODES = ("dynamic", "static", "online")
+class ActMode(StrEnum):
+    """Where a quantized linear's activation scale comes from; each prints (and compares equal) as its value."""
+
+    DYNAMIC = "dynamic"  # computed per token (or per tensor) on the fly
+    STATIC = "static"  # one per-tensor scale calibrated beforehand and stored with the layer
+    ONLINE = "online"  # a per-tensor range tracked while the model runs, with no calibration data
+
+    @classmethod
+    def parse(cls, value: ActMode | str) -> ActMode:
+        """The mode `value` names ('dynamic', 'static', 'online', or a member)."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"unknown activation mode {value!r}; choose one of {', '.join(cls)}") from None
+
+    @classmethod
+    def from_flags(cls, dynamic: bool, online: bool) -> ActMode:
+        """The mode a checkpoint's `dynamic` and `online` keys describe (see `QuantScheme.to_dict`)."""
+        if dynamic and online:
+            raise ConfigError("online activation ranges replace dynamic scales: an online activation scheme has "
+                              "dynamic=False")
+        return cls.DYNAMIC if dynamic else cls.ONLINE if online else cls.STATIC
 
 
 @dataclass(frozen=True)
 class ActScheme:
-    """How activations entering a quantized linear are quantized: dynamic scales computed per token (or per
-    tensor) on the fly, one static per-tensor scale calibrated beforehand and stored with the layer, or an online
+    """How activations entering a quantized linear are quantized, by `mode`: dynamic scales computed per token (or
+    per tensor) on the fly, one static per-tensor scale calibrated beforehand and stored with the layer, or an online
     per-tensor range tracked while the model runs (δ_t = momentum·δ_{t-1} + (1 - momentum)·max(ε_t, absmax X_t),
-    ε_t = `eps`, or max(`eps`, std X_t) with `std_floor`), with no calibration data."""
+    ε_t = `eps`, or max(`eps`, std X_t) with `std_floor`), with no calibration data.
+
+    `ActScheme(mode=ActMode.STATIC, granularity=PerTensor())`; `mode` also takes the value's string ('static')."""
 
     bits: int = 8
     symmetric: bool = True
-    dynamic: bool = True
+    mode: ActMode = ActMode.DYNAMIC
     granularity: Granularity = field(default_factory=PerToken)
-    online: bool = False
-    momentum: float = 0.9
+    momentum: float = 0.9  # the online mode's EMA (the other modes ignore momentum, eps and std_floor)
     eps: float = 1e-5
     std_floor: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", ActMode.parse(self.mode))
         if self.bits != 8:
             raise ConfigError(f"unsupported activation bit width {self.bits!r}; only 8-bit activations are supported")
         if not isinstance(self.granularity, PerToken | PerTensor):
             raise ConfigError("activation granularity must be per-token or per-tensor")
-        if not self.dynamic and not isinstance(self.granularity, PerTensor):
+        if self.mode is not ActMode.DYNAMIC and not isinstance(self.granularity, PerTensor):
             raise ConfigError("static and online activation scales are per tensor (tokens are not known in "
                               "advance); use per-tensor granularity or dynamic per-token scales")
-        if self.online and self.dynamic:
-            raise ConfigError("online activation ranges replace dynamic scales: set dynamic=False with online=True")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"activation EMA momentum must lie in [0, 1), got {self.momentum}")
         if not self.eps > 0:
             raise ConfigError(f"activation range floor eps must be positive, got {self.eps}")
-
-    @property
-    def mode(self) -> str:
-        """'dynamic', 'static' or 'online'."""
-        return "dynamic" if self.dynamic else "online" if self.online else "static"
 
 
 @dataclass(frozen=True)
@@ -104,7 +121,7 @@ class QuantScheme:
     @property
     def static_act(self) -> bool:
         """Activations take one calibrated scale (so quantizing needs calibration data)."""
-        return self.act is not None and self.act.mode == "static"
+        return self.act is not None and self.act.mode is ActMode.STATIC
 
     @property
     def group_size(self) -> int | None:
@@ -114,7 +131,7 @@ class QuantScheme:
     def name(self) -> str:
         """Short name such as `w4a16-g64-asym`; `parse_scheme(name)` gives the scheme back."""
         text = f"w{self.bits}a{self.act.bits if self.act else 16}"
-        if self.act is not None and not self.act.dynamic:
+        if self.act is not None and self.act.mode is not ActMode.DYNAMIC:
             text += f"-a{self.act.mode}"
         elif self.act is not None and isinstance(self.act.granularity, PerTensor):
             text += "-apt"
@@ -129,12 +146,15 @@ class QuantScheme:
         return text
 
     def to_dict(self) -> dict:
+        """The checkpoint's form. The activation mode is written as `dynamic` (true or false) plus, for online ranges
+        only, `online: true` and the EMA's options: the keys checkpoints have always held."""
         return {"bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
                 "act": None if self.act is None else {
-                    "bits": self.act.bits, "symmetric": self.act.symmetric, "dynamic": self.act.dynamic,
+                    "bits": self.act.bits, "symmetric": self.act.symmetric,
+                    "dynamic": self.act.mode is ActMode.DYNAMIC,
                     "granularity": granularity_to_str(self.act.granularity)} | (
                     {"online": True, "momentum": self.act.momentum, "eps": self.act.eps,
-                     "std_floor": self.act.std_floor} if self.act.online else {})}
+                     "std_floor": self.act.std_floor} if self.act.mode is ActMode.ONLINE else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> QuantScheme:
@@ -143,8 +163,9 @@ class QuantScheme:
             bits=int(data["bits"]), symmetric=bool(data["symmetric"]),
             granularity=granularity_from_str(data["granularity"]),
             act=None if act is None else ActScheme(
-                bits=int(act["bits"]), symmetric=bool(act["symmetric"]), dynamic=bool(act["dynamic"]),
-                granularity=granularity_from_str(act["granularity"]), online=bool(act.get("online", False)),
+                bits=int(act["bits"]), symmetric=bool(act["symmetric"]),
+                mode=ActMode.from_flags(bool(act["dynamic"]), bool(act.get("online", False))),
+                granularity=granularity_from_str(act["granularity"]),
                 momentum=float(act.get("momentum", 0.9)), eps=float(act.get("eps", 1e-5)),
                 std_floor=bool(act.get("std_floor", False))),
         )
@@ -170,26 +191,23 @@ _SCHEME_RE = re.compile(rf"^w(\d+)a(\d+)((?:{_SUFFIX})*)$")
 
 
 def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
-                act_bits: int | None = None, static_act: bool = False, act_mode: str | None = None,
+                act_bits: int | None = None, static_act: bool = False, act_mode: ActMode | str | None = None,
                 **online: float | bool) -> QuantScheme:
     """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`, `--act-mode` (or
     `--static`); `online` takes the online mode's `momentum`, `eps` and `std_floor`."""
-    mode = act_mode or ("static" if static_act else "dynamic")
-    if mode not in ACT_MODES:
-        raise ConfigError(f"unknown activation mode {mode!r}; choose one of {', '.join(ACT_MODES)}")
+    mode = ActMode.parse(act_mode or (ActMode.STATIC if static_act else ActMode.DYNAMIC))
     if group_size is not None:
         granularity: Granularity = PerGroup(group_size)
     else:
         granularity = PerChannel()
-    if mode != "dynamic" and act_bits in (None, 16):
+    if mode is not ActMode.DYNAMIC and act_bits in (None, 16):
         raise ConfigError(f"{mode} activation scales need quantized activations: add --act-bits 8")
     if act_bits in (None, 16):
         act = None
-    elif mode == "dynamic":
+    elif mode is ActMode.DYNAMIC:
         act = ActScheme(bits=act_bits)
     else:
-        act = ActScheme(bits=act_bits, dynamic=False, granularity=PerTensor(), online=mode == "online",
-                        **(online if mode == "online" else {}))
+        act = ActScheme(bits=act_bits, mode=mode, granularity=PerTensor(), **(online if mode is ActMode.ONLINE else {}))
     return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act)
 
 
@@ -212,10 +230,9 @@ def parse_scheme(name: str) -> QuantScheme:
             granularity = PerGroup(int(part[1:]))
     act = make_scheme(bits, None, symmetric, act_bits).act
     if act is not None:
-        tracked = bool({"astatic", "aonline"} & set(parts))
-        act = ActScheme(bits=act.bits, symmetric="aasym" not in parts, dynamic=not tracked,
-                        granularity=PerTensor() if "apt" in parts or tracked else PerToken(),
-                        online="aonline" in parts)
+        mode = ActMode.ONLINE if "aonline" in parts else ActMode.STATIC if "astatic" in parts else ActMode.DYNAMIC
+        act = ActScheme(bits=act.bits, symmetric="aasym" not in parts, mode=mode,
+                        granularity=PerTensor() if "apt" in parts or mode is not ActMode.DYNAMIC else PerToken())
     elif {"apt", "aasym", "astatic", "aonline"} & set(parts):
         raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -astatic, -aonline) without "
                           "quantized activations")

@@ -18,7 +18,7 @@ import torch
 
 from llmeasyquant import texts
 from llmeasyquant.errors import DataError
-from llmeasyquant.hub import hub_reachable
+from llmeasyquant.infra.hub import hub_reachable
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmeasyquant import distributed
 from llmeasyquant.calibration.shared_solves import apply_shared
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.methods.base import BlockContext, Method
+from llmeasyquant.infra import distributed
+from llmeasyquant.methods.base import BlockContext, Method, Quantizer
 from llmeasyquant.methods.stats import calibrate_static_inputs, collect_input_stats, relative_error, run_block
 from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
 from llmeasyquant.models.streaming import BlockStreamer
@@ -117,7 +117,7 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
             ctx.float_inputs = float_inputs
             ctx.float_outputs = reference if float_inputs is inputs else run_block(block, float_inputs, kwargs)
         for method in recipe:
-            if distributed.active() and method.kind == "quantizer":
+            if distributed.active() and isinstance(method, Quantizer):
                 apply_shared(method, block, ctx)
             else:
                 method.apply(block, ctx)

@@ -8,8 +8,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from llmeasyquant import distributed
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.infra import distributed
 from llmeasyquant.methods.base import BlockContext, Method, block_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear

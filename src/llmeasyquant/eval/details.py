@@ -15,7 +15,7 @@ from llmeasyquant.eval.layer_stats import (
 )
 from llmeasyquant.eval.perplexity import EvalWindows
 from llmeasyquant.eval.speed import generation_speed, latency_breakdown
-from llmeasyquant.export.checkpoint import quantized_layers
+from llmeasyquant.nn.qlinear import quantized_layers
 
 PROMPT_TOKENS = 128  # the house speed protocol: batch 1, a 128-token prompt, 64 greedy new tokens
 NEW_TOKENS = 64

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from llmeasyquant.eval.perplexity import evaluate_windows
-from llmeasyquant.export.checkpoint import quantized_layers
 from llmeasyquant.models.arch import arch_for, get_module, linear_weight
+from llmeasyquant.nn.qlinear import quantized_layers
 
 
 @torch.no_grad()

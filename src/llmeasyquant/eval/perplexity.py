@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmeasyquant import distributed
 from llmeasyquant.calibration.data import TextSource, consecutive_chunks, tokenize
 from llmeasyquant.eval.fidelity import kl_sum, top1_matches
+from llmeasyquant.infra import distributed
 
 
 @dataclass(frozen=True)

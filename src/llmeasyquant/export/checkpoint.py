@@ -17,11 +17,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llmeasyquant.errors import CheckpointError, ConfigError
-from llmeasyquant.fileio import check_output, staged_folder
+from llmeasyquant.infra.files import check_output, staged_folder
 from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
 from llmeasyquant.models.load import no_init_weights
-from llmeasyquant.nn.kv_cache import KeyRanges, KVCacheSpec, KVQuantConfig
-from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear
+from llmeasyquant.nn.kv.cache import KVCacheSpec
+from llmeasyquant.nn.kv.calibration import KeyRanges
+from llmeasyquant.nn.kv.config import KVQuantConfig
+from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear, quantized_layers
 from llmeasyquant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -31,10 +33,6 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 KV_FILE = "kv_cache.safetensors"  # calibrated key ranges of the quantized KV cache, when there are some
 QCONFIG_FILE = "quantization_config.json"
-
-
-def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
 def stored_tensors(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, dict[str, str]]:

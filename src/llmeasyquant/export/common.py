@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError, LLMEasyQuantError
-from llmeasyquant.export.checkpoint import checkpoint_bytes, quantized_layers
-from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.export.checkpoint import checkpoint_bytes
+from llmeasyquant.nn.qlinear import QuantLinear, quantized_layers
 
 # A runtime loaded from an exported file: token ids [seqlen] (int64) -> logits [seqlen, vocab] (float32).
 RuntimeLogits = Callable[[torch.Tensor], torch.Tensor]

@@ -23,11 +23,11 @@ from llmeasyquant.export.common import (
     layers_to_export,
     require,
 )
-from llmeasyquant.fileio import staged_folder
+from llmeasyquant.infra.files import staged_folder
 from llmeasyquant.models.arch import arch_for, get_module
 from llmeasyquant.models.load import no_init_weights
 from llmeasyquant.nn.qlinear import QuantLinear
-from llmeasyquant.scheme import PerGroup, PerTensor, QuantScheme
+from llmeasyquant.scheme import ActMode, PerGroup, PerTensor, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def _input_args(scheme: QuantScheme, ct: object) -> object | None:
     act = scheme.act
     if act is None:
         return None
-    if act.dynamic:
+    if act.mode is ActMode.DYNAMIC:
         strategy = "tensor" if isinstance(act.granularity, PerTensor) else "token"
         return ct.QuantizationArgs(num_bits=act.bits, type="int", symmetric=act.symmetric, strategy=strategy,
                                    dynamic=True)

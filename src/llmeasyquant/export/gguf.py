@@ -1,7 +1,7 @@
 """GGUF export for llama.cpp: our integer codes repacked into Q8_0 / Q4_0 / Q4_1 blocks, and a llama.cpp runtime.
 
 What GGUF needs to know about a model family (its architecture name, tensor names, whether q/k rows are permuted)
-lives in `GGUF_ARCHS`, keyed by `config.model_type`. How codes become blocks: `gguf_blocks.py`.
+is the `gguf` entry of its architecture (models/arch.py). How codes become blocks: `gguf_blocks.py`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import nn
 from llmeasyquant.errors import CheckpointError, ConfigError
 from llmeasyquant.export.common import ExportResult, RuntimeLogits, Stopwatch, layers_to_export, require
 from llmeasyquant.export.gguf_blocks import Packed, pack_layer
-from llmeasyquant.fileio import check_output, write_atomic
-from llmeasyquant.models.arch import arch_for, get_module
+from llmeasyquant.infra.files import check_output, write_atomic
+from llmeasyquant.models.arch import ARCHITECTURES, ArchSpec, get_module
 from llmeasyquant.models.load import BUNDLED_NAMES, bundled_gguf
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.primitives import QParams
@@ -64,29 +64,6 @@ _HPARAMS: tuple[tuple[str, GGUFValueType, Callable[[Any], Any]], ...] = (
     ("attention.layer_norm_rms_epsilon", _F32, lambda c: c.rms_norm_eps),
     ("vocab_size", _U32, lambda c: c.vocab_size),
 )
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-# llama.cpp's llama graph rotates interleaved pairs; HF's rotate-half layout needs q/k rows permuted per head.
-_LLAMA_PERMUTE = {"self_attn.q_proj": lambda c: c.num_attention_heads, "self_attn.k_proj": _kv_heads}
-
-
-@dataclass(frozen=True)
-class GGUFArch:
-    name: str  # general.architecture in llama.cpp
-    block: dict[str, str]  # module path inside a block -> GGUF tensor name after "blk.{i}."
-    top: dict[str, str] = field(default_factory=lambda: dict(_TOP))  # module path in the model -> GGUF name
-    permute: dict[str, Callable[[Any], int]] = field(default_factory=dict)  # block module -> its head count
-    hparams: tuple[tuple[str, GGUFValueType, Callable[[Any], Any]], ...] = _HPARAMS
-
-
-GGUF_ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch("llama", _BLOCK, permute=_LLAMA_PERMUTE),
-    "mistral": GGUFArch("llama", _BLOCK, permute=_LLAMA_PERMUTE),  # llama.cpp runs Mistral as llama
-    "qwen2": GGUFArch("qwen2", _BLOCK),  # rotate-half (NEOX) rope: rows as they are; q/k/v biases
-    "qwen3": GGUFArch("qwen3", {**_BLOCK, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}),
-}
 _FILE_TYPES = {QType.Q8_0: LlamaFileType.MOSTLY_Q8_0, QType.Q4_0: LlamaFileType.MOSTLY_Q4_0,
                QType.Q4_1: LlamaFileType.MOSTLY_Q4_1, QType.F16: LlamaFileType.MOSTLY_F16}
 # Keys of a source GGUF that describe its tensors or file, not the model: never copied.
@@ -94,12 +71,22 @@ _FILE_KEYS = ("GGUF.", "split.", "general.architecture", "general.file_type", "g
               "general.alignment")
 
 
-def gguf_arch(model: nn.Module) -> GGUFArch:
+def gguf_arch(model: nn.Module) -> ArchSpec:
+    """The model's architecture entry, which must have a `gguf` map."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in GGUF_ARCHS:
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None or arch.gguf is None:
+        supported = sorted(name for name, entry in ARCHITECTURES.items() if entry.gguf is not None)
         raise ConfigError(f"GGUF export does not support the model family {model_type!r}; supported: "
-                          f"{', '.join(sorted(GGUF_ARCHS))}. Add an entry to llmeasyquant/export/gguf.py:GGUF_ARCHS")
-    return GGUF_ARCHS[model_type]
+                          f"{', '.join(supported)}. Add a `gguf` entry to llmeasyquant/models/arch.py:ARCHITECTURES")
+    return arch
+
+
+def _permuted(arch: ArchSpec) -> dict[str, Callable[[Any], int]]:
+    """Block module -> its head count, for the projections whose rows llama.cpp's interleaved rope needs permuted."""
+    if not arch.gguf.permute_qk:
+        return {}
+    return {arch.attention.q: lambda c: c.num_attention_heads, arch.attention.k: _kv_heads}
 
 
 # tensors -----------------------------------------------------------------------------------------------------
@@ -158,28 +145,27 @@ def _add_module(found: _Tensors, name: str, path: str, module: nn.Module, rows: 
         found.arrays[f"{name}.{key}"] = _float(tensor, rows, matrix_type)
 
 
-def _is_tied(model: nn.Module) -> bool:
-    """The LM head shares the embedding matrix (llama.cpp then uses token_embd for the output)."""
-    arch = arch_for(model)
+def _is_tied(model: nn.Module, arch: ArchSpec) -> bool:
+    """The LM head shares the embedding matrix (llama.cpp then uses the embedding's tensor for the output)."""
     weight = getattr(get_module(model, arch.lm_head), "weight", None)
     embed = get_module(model, arch.embeddings[0]).weight
     return bool(getattr(model.config, "tie_word_embeddings", False) and weight is not None
                 and weight.data_ptr() == embed.data_ptr())
 
 
-def _entries(model: nn.Module, spec: GGUFArch) -> list[tuple[str, str, Callable[[Any], int] | None]]:
+def _entries(model: nn.Module, arch: ArchSpec) -> list[tuple[str, str, Callable[[Any], int] | None]]:
     """(GGUF name, module path, head count for a q/k row permutation or None) for every module the table names."""
+    spec, permute, blocks = arch.gguf, _permuted(arch), arch.blocks
     entries = [(gguf_name, path, None) for path, gguf_name in spec.top.items()]
-    blocks = arch_for(model).blocks
     for i in range(len(get_module(model, blocks))):
-        entries += [(f"blk.{i}.{g}", f"{blocks}.{i}.{p}", spec.permute.get(p)) for p, g in spec.block.items()]
+        entries += [(f"blk.{i}.{g}", f"{blocks}.{i}.{p}", permute.get(p)) for p, g in spec.block.items()]
     return entries
 
 
-def _collect(model: nn.Module, spec: GGUFArch, matrix_type: QType) -> _Tensors:
+def _collect(model: nn.Module, arch: ArchSpec, matrix_type: QType) -> _Tensors:
     found = _Tensors()
-    tied, head = _is_tied(model), arch_for(model).lm_head
-    for gguf_name, path, heads in _entries(model, spec):
+    tied, head = _is_tied(model, arch), arch.lm_head
+    for gguf_name, path, heads in _entries(model, arch):
         try:
             module = model.get_submodule(path)
         except AttributeError:
@@ -195,15 +181,17 @@ def _collect(model: nn.Module, spec: GGUFArch, matrix_type: QType) -> _Tensors:
     missing = sorted(set(model.state_dict()) - found.consumed)
     if missing:
         raise ConfigError(f"GGUF export has no tensor name for {', '.join(missing[:6])}"
-                          f"{' ...' if len(missing) > 6 else ''}; add them to llmeasyquant/export/gguf.py:GGUF_ARCHS")
+                          f"{' ...' if len(missing) > 6 else ''}; add them to the family's `gguf` entry in "
+                          "llmeasyquant/models/arch.py:ARCHITECTURES")
     return found
 
 
-def _file_type(found: _Tensors) -> int:
-    """general.file_type: the block type holding most quantized weights."""
+def _file_type(found: _Tensors, arch: ArchSpec) -> int:
+    """general.file_type: the block type holding most quantized weights (not the float embedding and LM head)."""
+    kept_float = {arch.gguf.top[arch.embeddings[0]], arch.gguf.top[arch.lm_head]}
     counts: dict[QType, int] = {}
     for name, (array, qtype) in found.arrays.items():
-        if qtype != QType.F32 and not name.startswith(("token_embd", "output.")):
+        if qtype != QType.F32 and name.rpartition(".")[0] not in kept_float:
             counts[qtype] = counts.get(qtype, 0) + array.size
     return int(_FILE_TYPES.get(max(counts, key=counts.get), LlamaFileType.MOSTLY_F16)) if counts else 0
 
@@ -227,12 +215,12 @@ def _source_gguf(model: nn.Module) -> Path | None:
     return None
 
 
-def _config_metadata(model: nn.Module, spec: GGUFArch) -> Meta:
+def _config_metadata(model: nn.Module, name: str) -> Meta:
     config = model.config
     meta: Meta = {}
-    for key, vtype, read in spec.hparams:
+    for key, vtype, read in _HPARAMS:
         value = read(config)
-        meta[f"{spec.name}.{key}"] = (float(value) if vtype == _F32 else int(value), vtype, None)
+        meta[f"{name}.{key}"] = (float(value) if vtype == _F32 else int(value), vtype, None)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default":
         log.warning("rope scaling %r is not written to the GGUF file; llama.cpp runs it as plain rope",
@@ -294,19 +282,19 @@ def _hf_tokenizer_metadata(tokenizer: Any, vocab_size: int, notes: list[str]) ->
     return meta
 
 
-def _metadata(model: nn.Module, spec: GGUFArch, tokenizer: Any, notes: list[str]) -> Meta:
+def _metadata(model: nn.Module, name: str, tokenizer: Any, notes: list[str]) -> Meta:
     """The model's config gives the hyperparameters; a source GGUF gives everything else (tokenizer included)."""
-    meta = _config_metadata(model, spec)
+    meta = _config_metadata(model, name)
     source = _source_gguf(model)
     if source is not None:
-        copied = _copied_metadata(source, spec.name)
+        copied = _copied_metadata(source, name)
         differ = sorted(k for k in meta if k in copied and copied[k][0] != meta[k][0])
         if differ:
             log.warning("the model's config differs from its source %s in %s; the config's values are written",
                         source, ", ".join(differ))
         notes.append(f"metadata and tokenizer copied from {source}")
         return {**copied, **meta}
-    meta["general.name"] = (Path(str(getattr(model, "llmeasyquant_source", None) or spec.name)).name, _STR, None)
+    meta["general.name"] = (Path(str(getattr(model, "llmeasyquant_source", None) or name)).name, _STR, None)
     if tokenizer is None:
         reason = "no tokenizer was given"
     else:
@@ -356,19 +344,19 @@ def export_gguf(model: nn.Module, tokenizer: object | None, out: str | Path, for
     check_output(out, force)
     if out.is_dir():
         raise ConfigError(f"{out} is a folder; a GGUF export is one file: give a path ending in .gguf")
-    spec = gguf_arch(model)
+    arch = gguf_arch(model)
     quantized = layers_to_export(model)
     if any(layer.scheme.act is not None for layer in quantized.values()):
         notes = ["activation quantization is not stored: llama.cpp quantizes activations its own way"]
     else:
         notes = []
     keep_fp32 = getattr(getattr(model, "llmeasyquant", None), "float_dtype", "float16") == "float32"
-    found = _collect(model, spec, QType.F32 if keep_fp32 else QType.F16)
-    meta = _metadata(model, spec, tokenizer, notes)
-    meta["general.file_type"] = (_file_type(found), _U32, None)
+    found = _collect(model, arch, QType.F32 if keep_fp32 else QType.F16)
+    meta = _metadata(model, arch.gguf.name, tokenizer, notes)
+    meta["general.file_type"] = (_file_type(found, arch), _U32, None)
     meta["general.quantization_version"] = (GGML_QUANT_VERSION, _U32, None)
     _report(found, notes)
-    write_atomic(out, lambda tmp: _write(tmp, spec.name, meta, found.arrays))
+    write_atomic(out, lambda tmp: _write(tmp, arch.gguf.name, meta, found.arrays))
     log.info("wrote %s: %d layers exact, %d re-quantized", out, len(found.lossless),
              len(found.requantized) + len(found.as_f16))
     return ExportResult(path=out, format="gguf", seconds=watch.seconds(), lossless=found.lossless,

@@ -38,10 +38,10 @@ from llmeasyquant.export.onnx_graph import (
     rewrite,
     strip_debug_info,
 )
-from llmeasyquant.fileio import check_output, staged_folder
-from llmeasyquant.kernels import REFERENCE, forced_kernel
-from llmeasyquant.nn.qlinear import QuantLinear
-from llmeasyquant.scheme import PerToken
+from llmeasyquant.infra.files import check_output, staged_folder
+from llmeasyquant.kernels import REFERENCE
+from llmeasyquant.nn.qlinear import QuantLinear, forced_kernel
+from llmeasyquant.scheme import ActMode, PerToken
 
 __all__ = ["OnnxExportError", "export_onnx", "open_onnx_runtime"]
 
@@ -92,7 +92,7 @@ def _act_quant(layer: QuantLinear) -> ActQuant | None:
     act = layer.scheme.act
     if act is None:
         return None
-    if act.dynamic:
+    if act.mode is ActMode.DYNAMIC:
         return ActQuant(dynamic=True, symmetric=act.symmetric, per_token=isinstance(act.granularity, PerToken))
     layer.check_input_scale()
     scale = float(layer.input_scale.float())

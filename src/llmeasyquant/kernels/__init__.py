@@ -7,10 +7,8 @@ one for a single layer. A forced kernel that cannot run the layer is an error, n
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 from llmeasyquant.errors import ConfigError
@@ -22,8 +20,9 @@ from llmeasyquant.kernels.cpu import (
     NativeInt4WeightOnlyKernel,
     NativeInt8WeightOnlyKernel,
 )
+from llmeasyquant.kernels.layer import KernelLayer
 from llmeasyquant.kernels.reference import ReferenceKernel
-from llmeasyquant.kernels.triton import TritonW4A16Kernel, TritonW8A8Kernel
+from llmeasyquant.kernels.triton.layers import TritonW4A16Kernel, TritonW8A8Kernel
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ KERNELS_BY_DEVICE: dict[str, list[Any]] = {
 ALL_KERNELS = {k.name: k for kernels in KERNELS_BY_DEVICE.values() for k in kernels} | {REFERENCE.name: REFERENCE}
 
 
-def candidates(layer) -> list[Any]:
+def candidates(layer: KernelLayer) -> list[Any]:
     """Kernels that can run `layer` where its buffers live, in the registry's order; on the CPU a weight-only layer
     also has the reference kernel (a dequantize-then-GEMM for it), which wins at many rows (kernels/choice.py)."""
     device = layer.qweight.device.type
@@ -48,7 +47,7 @@ def candidates(layer) -> list[Any]:
     return found
 
 
-def select(layer, rows: int = 1) -> Any:
+def select(layer: KernelLayer, rows: int = 1) -> Any:
     """The kernel that will run `layer`, for inputs of `rows` rows, on the device its buffers live on."""
     forced = layer.kernel_name or os.environ.get("LLMEASYQUANT_KERNEL") or None
     if forced:
@@ -65,21 +64,3 @@ def select(layer, rows: int = 1) -> Any:
     log.debug("no integer kernel for %s (in=%d) on %s; using the reference kernel",
               layer.scheme.name, layer.in_features, layer.qweight.device.type)
     return REFERENCE
-
-
-@contextlib.contextmanager
-def forced_kernel(model: Any, name: str) -> Iterator[None]:
-    """Run every QuantLinear of `model` on kernel `name` inside the block, then restore each layer's choice."""
-    from llmeasyquant.nn.qlinear import QuantLinear
-
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    before = [layer.kernel_name for layer in layers]
-    try:
-        for layer in layers:
-            layer.kernel_name = name
-            layer.forget_kernel()
-        yield
-    finally:
-        for layer, kernel_name in zip(layers, before, strict=True):
-            layer.kernel_name = kernel_name
-            layer.forget_kernel()

@@ -20,7 +20,7 @@ import torch
 from llmeasyquant.kernels import native
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS, scope
 from llmeasyquant.primitives import MIN_SCALE, quantize
-from llmeasyquant.scheme import PerChannel, PerTensor, PerToken
+from llmeasyquant.scheme import ActMode, PerChannel, PerTensor, PerToken
 
 _INT4_GROUPS = (32, 64, 128, 256)
 
@@ -58,7 +58,7 @@ class Int8DynamicActKernel:
         if layer.zeros is not None:
             prepared["zero"] = layer.zeros[:, 0].to(torch.int32)
         act = layer.scheme.act
-        prepared["rows"] = act.dynamic and act.symmetric and isinstance(act.granularity, PerToken)
+        prepared["rows"] = act.mode is ActMode.DYNAMIC and act.symmetric and isinstance(act.granularity, PerToken)
         return prepared
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:

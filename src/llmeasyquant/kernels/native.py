@@ -1,9 +1,16 @@
-"""The fused C++ operators of the lean loop and the CPU kernels (native/decode_ops.cpp), compiled on first use.
+"""The fused C++ operators of the lean loop and the CPU kernels (native/), compiled on first use.
 
-PyTorch compiles the file with the machine's C++ compiler through `torch.utils.cpp_extension` (needs a compiler,
+The sources, split by purpose, build one extension module: native/decoder_ops.cpp (the decoder's operators: RMS norm,
+rotary embedding and cache write, attention, SiLU x up, int8 rows of activations), native/matmul_kernels.cpp (the
+W8A16 and W4A16 weight-only matmuls), native/bindings.cpp (the module's one registration block, every name Python
+calls), and native/common.h (what the first two share: ATen's vector type, input checks, the thread-splitting helper).
+
+PyTorch compiles the files with the machine's C++ compiler through `torch.utils.cpp_extension` (needs a compiler,
 Python's headers and the `ninja` package) and caches the build, so only the first process on a machine waits for it
 (some 20-40 seconds). Instruction-set flags follow the CPU capability PyTorch detected, and the capability is part of
-the build's name, so a cache is never shared between machines that differ in it.
+the build's name, so a cache is never shared between machines that differ in it. So is a digest of every source and
+header under native/: a change to any of them, the header included, builds afresh under a new name, and checkouts
+with different sources never share (or rebuild each other's) build.
 
 `ops()` returns the loaded module, or None where it cannot be built (the reason is logged once) or where
 `LLMEASYQUANT_NATIVE=0` turns it off; callers then run the eager PyTorch path, which computes the same thing.
@@ -12,6 +19,7 @@ the build's name, so a cache is never shared between machines that differ in it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -22,13 +30,23 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "decode_ops.cpp"
+NATIVE = Path(__file__).with_name("native")
+# Compiled into the one extension: the decoder's operators, the matmul kernels, the module's registration.
+SOURCES = tuple(NATIVE / name for name in ("decoder_ops.cpp", "matmul_kernels.cpp", "bindings.cpp"))
 # torch.backends.cpu.get_cpu_capability() -> instruction-set flags; CPU_CAPABILITY_* selects the width of ATen's
 # Vectorized<float>, which the operators use (and its exp, which PyTorch's own kernels use too).
 _FLAGS_BY_CAPABILITY = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
 }
+
+
+def source_digest() -> str:
+    """The build's key: a digest of the name and content of every source and header under native/."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in NATIVE.iterdir() if p.suffix in {".cpp", ".h"}):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def enabled() -> bool:
@@ -48,8 +66,9 @@ def _build() -> ModuleType | None:
              *_FLAGS_BY_CAPABILITY.get(known, [])]
     log.info("loading the fused C++ operators for %s (compiled on first use, once per machine)", known)
     try:
-        return cpp_extension.load(name=f"llmeasyquant_decode_ops_{known.lower()}", sources=[str(SOURCE)],
-                                  extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        return cpp_extension.load(name=f"llmeasyquant_native_{known.lower()}_{source_digest()}",
+                                  sources=[str(source) for source in SOURCES], extra_cflags=flags,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, no ninja: the eager path computes the same thing
         log.warning("the fused C++ operators could not be built (%s: %s); everything runs on PyTorch operators. "
                     "Install a C++ compiler and the ninja package to enable them", type(error).__name__, error)

@@ -6,17 +6,17 @@ import dataclasses
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.awq import AWQ
-from llmeasyquant.methods.base import BlockContext, Method
+from llmeasyquant.methods.base import BlockContext, CacheMethod, Method, Quantizer, Step, Transform
 from llmeasyquant.methods.gptq import GPTQ
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.smoothquant import SmoothQuant
 from llmeasyquant.methods.zeroquant import ZeroQuant
 
-METHODS: dict[str, type] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ,
-                          "zeroquant": ZeroQuant}
+METHODS: dict[str, type[Method]] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ,
+                                  "zeroquant": ZeroQuant}
 
 
-def _method_class(name: str) -> type:
+def _method_class(name: str) -> type[Method]:
     key = name.strip().lower()
     if key not in METHODS:
         raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
@@ -42,7 +42,7 @@ def recipe_by_name(spec: str, strict: bool = True, **options: object) -> list[Me
     classes = [_method_class(part) for part in spec.split("+") if part.strip()]
     if not classes:
         raise ConfigError("no method named; use e.g. --method rtn")
-    if classes[-1].kind == "transform":
+    if issubclass(classes[-1], Transform):
         classes.append(RTN)  # a transform alone is followed by round to nearest
     taken: set[str] = set()
     recipe = []
@@ -56,5 +56,5 @@ def recipe_by_name(spec: str, strict: bool = True, **options: object) -> list[Me
     return recipe
 
 
-__all__ = ["AWQ", "GPTQ", "METHODS", "RTN", "BlockContext", "Method", "SmoothQuant", "ZeroQuant", "method_by_name",
-           "recipe_by_name"]
+__all__ = ["AWQ", "GPTQ", "METHODS", "RTN", "BlockContext", "CacheMethod", "Method", "Quantizer", "SmoothQuant",
+           "Step", "Transform", "ZeroQuant", "method_by_name", "recipe_by_name"]

@@ -17,8 +17,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from llmeasyquant import distributed
-from llmeasyquant.methods.base import BlockContext, block_input_stats
+from llmeasyquant.infra import distributed
+from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats
 from llmeasyquant.methods.smoothquant import fold_scales, foldable
 from llmeasyquant.models.arch import linear_weight
 from llmeasyquant.primitives import expand_groups, fake_quantize, group_ranges
@@ -26,14 +26,13 @@ from llmeasyquant.scheme import PerTensor, QuantScheme
 
 
 @dataclass(frozen=True)
-class AWQ:
+class AWQ(Transform):
     grid: int = 20
     clip: bool = True
     clip_grid: int = 20
     min_clip: float = 0.5
 
     name: ClassVar[str] = "awq"
-    kind: ClassVar[str] = "transform"
     needs_calibration: ClassVar[bool] = True
     default_scheme: ClassVar[str] = "w4a16-g128-asym"  # what --method awq quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})

@@ -1,9 +1,14 @@
-"""What a method is: a frozen dataclass that works on one block at a time."""
+"""What a method is: a frozen dataclass subclassing one of the recipe step types below.
+
+A recipe is `Transform`s, then exactly one `Quantizer` (both work on one block at a time), plus at most one
+`CacheMethod` for the KV cache; `quantize()` tells them apart by type.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -12,6 +17,9 @@ from llmeasyquant.methods.stats import InputStats, collect_input_stats
 from llmeasyquant.models.arch import ArchSpec, linear_weight
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.scheme import QuantScheme
+
+if TYPE_CHECKING:
+    from llmeasyquant.nn.kv.cache import KVCacheSpec
 
 
 @dataclass
@@ -36,15 +44,37 @@ class BlockContext:
     float_outputs: list[torch.Tensor] | None = None
 
 
-class Method(Protocol):
+class Method(ABC):
+    """A recipe step that works on one block at a time; a method subclasses `Transform` or `Quantizer`."""
+
     name: ClassVar[str]
-    kind: ClassVar[str]  # "transform" (keeps float weights) or "quantizer" (swaps in QuantLinear)
     needs_calibration: ClassVar[bool]
     default_scheme: ClassVar[str]  # scheme name used when the caller gives none (AWQ: w4a16-g128-asym)
     input_stats: ClassVar[frozenset[str]]  # statistics of its block's inputs it reads: "hessian", "range"
     float_path: bool  # reads the unquantized model's activations too (the runner then carries them)
 
+    @abstractmethod
     def apply(self, block: nn.Module, ctx: BlockContext) -> None: ...
+
+
+class Transform(Method):
+    """Rewrites a block's float weights and keeps them float (SmoothQuant, AWQ); a recipe's transforms come first."""
+
+
+class Quantizer(Method):
+    """Swaps a block's linear layers for QuantLinear (RTN, GPTQ, ZeroQuant); a recipe ends with exactly one."""
+
+
+class CacheMethod(ABC):
+    """Calibrates a quantized KV cache on the whole quantized model (SimQuant); a recipe holds at most one."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def calibrate(self, model: nn.Module, calib: torch.Tensor | None, progress: bool = True) -> KVCacheSpec: ...
+
+
+Step = Method | CacheMethod  # what a recipe holds
 
 
 def rtn_quant_linear(module: nn.Module, scheme: QuantScheme, name: str) -> QuantLinear:

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from llmeasyquant.methods.base import BlockContext, block_input_stats
+from llmeasyquant.methods.base import BlockContext, Quantizer, block_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.primitives import QParams, check_finite, choose_qparams, dequantize, group_width, quantize
@@ -24,13 +24,12 @@ from llmeasyquant.scheme import PerChannel, QuantScheme
 
 
 @dataclass(frozen=True)
-class GPTQ:
+class GPTQ(Quantizer):
     block_size: int = 128
     damp: float = 0.01
     act_order: bool = True  # as llm-compressor's default: on this model it decides whether GPTQ beats RTN
 
     name: ClassVar[str] = "gptq"
-    kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = True
     default_scheme: ClassVar[str] = "w4a16-g128"  # what --method gptq quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})

@@ -7,16 +7,15 @@ from typing import ClassVar
 
 from torch import nn
 
-from llmeasyquant.methods.base import BlockContext, rtn_quant_linear
+from llmeasyquant.methods.base import BlockContext, Quantizer, rtn_quant_linear
 from llmeasyquant.models.arch import set_module
 
 
 @dataclass(frozen=True)
-class RTN:
+class RTN(Quantizer):
     """Needs no calibration data: each weight group is rounded onto the grid its own min/max define."""
 
     name: ClassVar[str] = "rtn"
-    kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = False
     default_scheme: ClassVar[str] = "w8a16"  # what --method rtn quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset()

@@ -21,8 +21,12 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.methods.base import CacheMethod
 from llmeasyquant.models.arch import ArchSpec, arch_for, get_module
-from llmeasyquant.nn.kv_cache import KeyRanges, KVCacheSpec, KVQuantConfig, rope_table, undo_rope
+from llmeasyquant.nn.kv.cache import KVCacheSpec
+from llmeasyquant.nn.kv.calibration import KeyRanges
+from llmeasyquant.nn.kv.coding import rope_table, undo_rope
+from llmeasyquant.nn.kv.config import KVQuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +42,10 @@ def _channel_quantiles(keys: torch.Tensor, share: float) -> tuple[torch.Tensor, 
 
 
 @dataclass(frozen=True)
-class SimQuant:
+class SimQuant(CacheMethod):
     """Calibrates a quantized KV cache; joins any recipe (`quantize(model, [GPTQ(), SimQuant()])`)."""
 
     name: ClassVar[str] = "simquant"
-    kind: ClassVar[str] = "cache"
 
     config: KVQuantConfig = field(default_factory=KVQuantConfig)
     samples: int = 16  # calibration samples read for the key ranges (KVQuant uses 16)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.methods.base import BlockContext, block_input_stats
+from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.stats import InputStats, calibrate_static_inputs, relative_error, run_block
 from llmeasyquant.models.arch import is_linear, linear_weight
@@ -28,7 +28,7 @@ Pairs = list[tuple[str, tuple[str, ...]]]
 
 
 @dataclass(frozen=True)
-class SmoothQuant:
+class SmoothQuant(Transform):
     """`alpha` in [0, 1], or "auto": per block, the value of `alpha_grid` whose smoothed, W8A8-rounded block is
     closest to the float block on the first `search_samples` calibration samples."""
 
@@ -37,7 +37,6 @@ class SmoothQuant:
     search_samples: int = 16
 
     name: ClassVar[str] = "smoothquant"
-    kind: ClassVar[str] = "transform"
     needs_calibration: ClassVar[bool] = True
     default_scheme: ClassVar[str] = "w8a8"  # what --method smoothquant quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset({"range"})

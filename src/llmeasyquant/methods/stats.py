@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmeasyquant import distributed
+from llmeasyquant.infra import distributed
 from llmeasyquant.nn.qlinear import QuantLinear
 
 STATS = frozenset({"hessian", "range"})

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.methods.base import BlockContext, rtn_quant_linear
+from llmeasyquant.methods.base import BlockContext, Quantizer, rtn_quant_linear
 from llmeasyquant.methods.stats import first_output
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.primitives import fake_quantize
@@ -49,7 +49,7 @@ class _FakeQuantLinear(nn.Module):
 
 
 @dataclass(frozen=True)
-class ZeroQuant:
+class ZeroQuant(Quantizer):
     lkd: bool = True
     steps: int = 50
     lr: float = 5e-5
@@ -59,7 +59,6 @@ class ZeroQuant:
     lkd_inputs: str = "float"
 
     name: ClassVar[str] = "zeroquant"
-    kind: ClassVar[str] = "quantizer"
     needs_calibration: ClassVar[bool] = True
     default_scheme: ClassVar[str] = "w4a8-g64"  # what --method zeroquant quantizes to when no scheme is given
     input_stats: ClassVar[frozenset[str]] = frozenset()

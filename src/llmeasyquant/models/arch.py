@@ -1,7 +1,8 @@
 """Architecture knowledge as data: one table entry per model family, keyed by `config.model_type`.
 
 Methods never ask what class a module is; they read these entries. Module paths are dotted, relative to the
-model (`blocks`, `lm_head`, ...) or to one block (attention projections, smoothing pairs).
+model (`blocks`, `lm_head`, ...) or to one block (attention projections, smoothing pairs). The rotary convention the
+`rotary_embedding` entries share (rotate-half) is here too: `rotate_half`, `apply_rope`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ class DecoderSpec:
 
 
 @dataclass(frozen=True)
+class GGUFSpec:
+    """How llama.cpp stores the family (export/gguf.py): `name` is its general.architecture; `top` names the GGUF
+    tensor of each module path in the model, `block` of each path inside a block (written as "blk.{i}.<name>");
+    `permute_qk` when llama.cpp's graph rotates interleaved pairs, so that the rows of the attention's `q` and `k`
+    projections are permuted per head from HF's rotate-half layout."""
+
+    name: str
+    block: dict[str, str]
+    top: dict[str, str]
+    permute_qk: bool = False
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     family: str
     blocks: str  # the ModuleList of transformer blocks
@@ -59,6 +73,8 @@ class ArchSpec:
     rotary_embedding: str | None
     # The lean decode loop's map of a block; None where the family runs on transformers' own forward only.
     decoder: DecoderSpec | None = None
+    # llama.cpp's names for the family's tensors; None where GGUF export does not cover it.
+    gguf: GGUFSpec | None = None
 
 
 _LLAMA_LIKE = dict(
@@ -76,13 +92,25 @@ _LLAMA_LIKE = dict(
     ),
     rotary_embedding="model.rotary_emb",
 )
+_LLAMA_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LLAMA_GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                     "mlp.down_proj": "ffn_down"}
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(family="llama", **_LLAMA_LIKE, decoder=DecoderSpec()),
-    "mistral": ArchSpec(family="mistral", **_LLAMA_LIKE, decoder=DecoderSpec()),
-    "qwen2": ArchSpec(family="qwen2", **_LLAMA_LIKE, decoder=DecoderSpec()),
+    # llama.cpp's llama graph rotates interleaved pairs: q/k rows permuted per head.
+    "llama": ArchSpec(family="llama", **_LLAMA_LIKE, decoder=DecoderSpec(),
+                      gguf=GGUFSpec("llama", _LLAMA_GGUF_BLOCK, _LLAMA_GGUF_TOP, permute_qk=True)),
+    "mistral": ArchSpec(family="mistral", **_LLAMA_LIKE, decoder=DecoderSpec(),  # llama.cpp runs Mistral as llama
+                        gguf=GGUFSpec("llama", _LLAMA_GGUF_BLOCK, _LLAMA_GGUF_TOP, permute_qk=True)),
+    "qwen2": ArchSpec(family="qwen2", **_LLAMA_LIKE, decoder=DecoderSpec(),
+                      # rotate-half (NEOX) rope: rows as they are; q/k/v biases
+                      gguf=GGUFSpec("qwen2", _LLAMA_GGUF_BLOCK, _LLAMA_GGUF_TOP)),
     "qwen3": ArchSpec(family="qwen3", **_LLAMA_LIKE,
-                      decoder=DecoderSpec(qk_norm=("self_attn.q_norm", "self_attn.k_norm"))),
+                      decoder=DecoderSpec(qk_norm=("self_attn.q_norm", "self_attn.k_norm")),
+                      gguf=GGUFSpec("qwen3", {**_LLAMA_GGUF_BLOCK, "self_attn.q_norm": "attn_q_norm",
+                                              "self_attn.k_norm": "attn_k_norm"}, _LLAMA_GGUF_TOP)),
     "gpt2": ArchSpec(
         family="gpt2",
         blocks="transformer.h",
@@ -134,6 +162,17 @@ def is_linear(module: nn.Module) -> bool:
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """The weight of a linear-like module as [out, in]."""
     return LINEAR_WEIGHT[type(module)](module)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotate-half convention of the `rotary_embedding` families: (x1, x2) -> (-x2, x1) over the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding with a `rotary_embedding` module's (cos, sin), as the family's attention applies it."""
+    return x * cos + rotate_half(x) * sin
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:

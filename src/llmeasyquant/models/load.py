@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmeasyquant.errors import ModelLoadError
-from llmeasyquant.hub import hub_reachable
+from llmeasyquant.infra.hub import hub_reachable
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from llmeasyquant.models.arch import arch_for, blocks_of, get_module
 from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.scheme import ActMode
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _fusable(members: list[nn.Module]) -> bool:
     # Online ranges are state of each layer; static scales must agree for one scale to serve all.
     scales_agree = first.input_scale is None or all(torch.equal(m.input_scale, first.input_scale) and (
         m.input_zero is None or torch.equal(m.input_zero, first.input_zero)) for m in members)
-    return same and scales_agree and not (act is not None and act.online)
+    return same and scales_agree and not (act is not None and act.mode is ActMode.ONLINE)
 
 
 def fuse_shared_inputs(model: nn.Module) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.kernels.choice import row_bucket
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, scope
-from llmeasyquant.observers import ema_step, observed_extremes
+from llmeasyquant.nn.observers import ema_step, observed_extremes
 from llmeasyquant.primitives import (
     QParams,
     check_finite,
@@ -23,7 +25,7 @@ from llmeasyquant.primitives import (
     unpack_bits,
     unpack_int4,
 )
-from llmeasyquant.scheme import PerTensor, QuantScheme
+from llmeasyquant.scheme import ActMode, PerTensor, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,9 @@ class QuantLinear(nn.Module):
         else:
             self.bias = None
         # Static and online activations keep one per-tensor scale; online ones also the tracked fp32 [lo, hi].
-        tracked = scheme.act is not None and not scheme.act.dynamic
-        online, act_asym = tracked and scheme.act.online, scheme.act is not None and not scheme.act.symmetric
+        mode = None if scheme.act is None else scheme.act.mode
+        tracked, online = mode in (ActMode.STATIC, ActMode.ONLINE), mode is ActMode.ONLINE
+        act_asym = scheme.act is not None and not scheme.act.symmetric
         self.register_buffer("input_scale", torch.full((1,), float("nan"), dtype=torch.float16) if tracked else None)
         self.register_buffer("input_zero", torch.zeros(1, dtype=torch.int8) if tracked and act_asym else None)
         self.register_buffer("input_range", torch.full((2,), float("nan")) if online else None)
@@ -262,3 +265,24 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         chosen = ", ".join(f"{rows}: {name}" for rows, name in self.chosen_kernels().items()) or "not chosen yet"
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, kernel by rows=({chosen})"
+
+
+def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    """Every QuantLinear of `model`, by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+@contextlib.contextmanager
+def forced_kernel(model: Any, name: str) -> Iterator[None]:
+    """Run every QuantLinear of `model` on kernel `name` inside the block, then restore each layer's choice."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    before = [layer.kernel_name for layer in layers]
+    try:
+        for layer in layers:
+            layer.kernel_name = name
+            layer.forget_kernel()
+        yield
+    finally:
+        for layer, kernel_name in zip(layers, before, strict=True):
+            layer.kernel_name = kernel_name
+            layer.forget_kernel()

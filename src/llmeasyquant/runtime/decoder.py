@@ -25,7 +25,7 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.kernels import native
-from llmeasyquant.models.arch import arch_for, get_module
+from llmeasyquant.models.arch import apply_rope, arch_for, get_module
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -70,11 +70,6 @@ def _joined(members: list[nn.Module]) -> Linear:
         return shared[0][0].combined.forward
     calls = [m.forward for m in members]  # .forward skips nn.Module.__call__'s hook bookkeeping on the hot path
     return lambda x: torch.cat([call(x) for call in calls], dim=-1)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanDecoder:
@@ -193,7 +188,7 @@ class LeanDecoder:
             qk = qkv[:, : (heads + kv_heads) * dim].view(count, heads + kv_heads, dim)
             if block.qk_norm is not None:
                 qk = torch.cat((block.qk_norm[0](qk[:, :heads]), block.qk_norm[1](qk[:, heads:])), dim=1)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = apply_rope(qk, cos, sin)
             keys, values = self.keys[index], self.values[index]  # [1, kv_heads, max_tokens, dim]
             keys[0, :, start:end] = qk[:, heads:].transpose(0, 1)
             values[0, :, start:end] = qkv[:, (heads + kv_heads) * dim:].view(count, kv_heads, dim).transpose(0, 1)

@@ -8,6 +8,7 @@ count `bits_per_weight` reports for the quantized model, so a plan within the bu
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -19,9 +20,8 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.eval.report import write_json
 from llmeasyquant.export.checkpoint import stored_tensors
-from llmeasyquant.fileio import check_output
+from llmeasyquant.infra.files import check_output, write_atomic
 from llmeasyquant.models.arch import arch_for, get_module, linear_weight
 from llmeasyquant.nn.qlinear import layer_storage_bytes
 from llmeasyquant.plan import Plan, Rule
@@ -170,7 +170,7 @@ class SearchResult:
 
     def save(self, path: str | Path, force: bool = False) -> Path:
         check_output(Path(path), force)
-        return write_json(path, self.to_dict())
+        return write_atomic(path, lambda tmp: tmp.write_text(json.dumps(self.to_dict(), indent=2)))
 
     def bits_histogram(self) -> dict[int, int]:
         """Quantized weights per chosen bit width."""

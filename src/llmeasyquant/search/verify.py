@@ -12,8 +12,8 @@ from torch import nn
 
 from llmeasyquant.api import quantize
 from llmeasyquant.export.checkpoint import WEIGHTS_FILE, bits_per_weight, checkpoint_bytes, save
+from llmeasyquant.jobs.evaluate import evaluate
 from llmeasyquant.methods import recipe_by_name
-from llmeasyquant.runs import evaluate
 from llmeasyquant.search.mixed_precision import SearchResult
 
 
@@ -28,7 +28,7 @@ def verify_plan(result: SearchResult, model: nn.Module, tokenizer: object, calib
         tensor_bytes, total_bytes = (folder / WEIGHTS_FILE).stat().st_size, checkpoint_bytes(folder)
     evaluation = evaluate(quantized, tokenizer, text, seqlen, max_windows, reference=model, seed=seed,
                           name="searched plan", progress=progress)
-    metrics = evaluation["metrics"]
+    metrics = evaluation.metrics
     bits = bits_per_weight(quantized)
     budget = result.budget
     within = bits <= budget.avg_bits if budget.avg_bits is not None else tensor_bytes <= budget.max_bytes
@@ -36,5 +36,5 @@ def verify_plan(result: SearchResult, model: nn.Module, tokenizer: object, calib
         "bits_per_weight": bits, "tensor_bytes": tensor_bytes, "checkpoint_bytes": total_bytes,
         "within_budget": bool(within), "ppl": metrics["ppl"], "ppl_reference": metrics["ppl_reference"],
         "kld": metrics["kld"], "top1": metrics["top1"], "quantize_s": quantized.llmeasyquant.quantize_s,
-        "protocol": evaluation["protocol"]}
+        "protocol": evaluation.protocol}
     return result.measured

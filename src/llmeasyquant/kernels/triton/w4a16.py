@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmeasyquant.kernels.triton import INTERPRETER_CONFIG, interpreting
+from llmeasyquant.kernels.triton.launch import INTERPRETER_CONFIG, interpreting
 from llmeasyquant.kernels.triton.w8a8 import grouped_tile, prune_by_m
 
 log = logging.getLogger(__name__)

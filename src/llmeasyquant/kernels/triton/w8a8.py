@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmeasyquant.kernels.triton import INTERPRETER_CONFIG, interpreting
+from llmeasyquant.kernels.triton.launch import INTERPRETER_CONFIG, interpreting
 
 log = logging.getLogger(__name__)
 

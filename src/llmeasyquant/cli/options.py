@@ -1,0 +1,102 @@
+"""Options that several `llmeasyquant` subcommands share: evaluation, scheme, calibration and KV cache."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from llmeasyquant.scheme import ActMode
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_SCHEMES = "w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym"  # compare's rows without --methods
+METHOD_HELP = "rtn, gptq, awq, smoothquant, zeroquant, or a recipe such as awq+gptq or smoothquant+gptq (default rtn)"
+
+
+def add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:
+    p.add_argument("--text", help="evaluation text: 'wikitext2' (the shipped WikiText-2 raw test split; the default), "
+                   "a file, 'hub:DATASET[:CONFIG]' (its test split, needs the 'hub' extra and a network) or 'self' "
+                   "(text the unquantized model generates; its figures say so)")
+    p.add_argument("--seqlen", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--max-windows", type=int, default=max_windows,
+                   help=f"evaluate the first N windows (default {max_windows or 'all'})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the result record(s) to this JSON file")
+
+
+def add_scheme_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="rtn", help=METHOD_HELP)
+    p.add_argument("--bits", type=int, help="weight bits: 2, 3, 4 or 8 (default 8). With none of --bits, "
+                   "--group-size, --asym, --act-bits, --act-mode the method's own scheme is used: rtn w8a16, gptq "
+                   "w4a16-g128, awq w4a16-g128-asym, smoothquant w8a8, zeroquant w4a8-g64")
+    p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
+    p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
+    p.add_argument("--act-bits", type=int, choices=(8, 16),
+                   help="8: dynamic per-token int8 activations (W8A8 on integer kernels); 16: float activations")
+    p.add_argument("--act-mode", choices=[mode.value for mode in ActMode],
+                   help="with --act-bits 8: 'dynamic' per-token scales computed on the fly (default); 'static' one "
+                   "per-tensor scale per layer from calibration data; 'online' a per-tensor range tracked with an "
+                   "exponential moving average while the model runs, no calibration")
+    p.add_argument("--static", action="store_true", help="same as --act-mode static")
+    p.add_argument("--act-momentum", type=float, default=0.9,
+                   help="online mode: EMA momentum α of the tracked range (default 0.9)")
+    p.add_argument("--act-eps", type=float, default=1e-5,
+                   help="online mode: smallest range ε_0 an observation may set (default 1e-5)")
+    p.add_argument("--act-std-floor", action="store_true",
+                   help="online mode: raise each observation's range to at least its standard deviation")
+    p.add_argument("--lm-head", metavar="SCHEME",
+                   help="also quantize the LM head with this weight-only scheme, e.g. w8a16 (default: kept in float; "
+                   "a tied head gets its own integer copy). It is the largest matrix read per decoded token")
+    p.add_argument("--plan", type=Path, help="a plan JSON (per-layer schemes) instead of --bits/--group-size/--asym")
+    p.add_argument("--keep-fp32", action="store_true",
+                   help="store unquantized tensors (embeddings, norms, biases) in fp32 instead of fp16")
+    add_calibration_options(p)
+
+
+def add_calib_text_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calib", help="calibration text for methods that need it: 'wikitext2' (the shipped WikiText-2 "
+                   "validation split), a file, 'hub:DATASET[:CONFIG]' (its validation split) or 'self' (text the "
+                   "model generates)")
+    p.add_argument("--calib-samples", type=int, default=64, help="calibration samples (default 64)")
+    p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sample (default 512)")
+
+
+def add_kv_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-bits", type=int, help="quantize the KV cache (SimQuant): 2, 3, 4 or 8 bits for keys and "
+                   "values; key ranges from --calib text, or tracked online without it")
+    p.add_argument("--kv-outliers", type=float,
+                   help="share of each value vector (and of each key vector with --kv-key-block 0) kept apart in "
+                   "fp16 (default 0.01; 0.047 at 3 bits)")
+    p.add_argument("--kv-key-block", type=int,
+                   help="keys are coded per block of this many positions, each channel on the block's own range "
+                   "(default 32; 16 at 3 bits); 0 codes each key on arrival on the calibrated range, as KVQuant")
+    p.add_argument("--kv-sinks", type=int, default=8, help="first tokens kept unquantized, in 16 bits (default 8)")
+    p.add_argument("--kv-key-channels", type=int,
+                   help="per head, the most sensitive key channels (calibrated) kept in fp16 (default 0; 2 at 3 bits)")
+    p.add_argument("--kv-levels", choices=("uniform", "nf"), default="uniform",
+                   help="uniform levels, or NF-style levels at normal quantiles (default uniform)")
+
+
+def add_calibration_options(p: argparse.ArgumentParser) -> None:
+    add_calib_text_options(p)
+    add_kv_options(p)
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: quantize columns by decreasing Hessian diagonal (default: on)")
+    p.add_argument("--alpha", type=_alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search it "
+                   "per block on the block's output error (default 0.5)")
+    p.add_argument("--lkd", action=argparse.BooleanOptionalAction, default=None,
+                   help="ZeroQuant: layer-by-layer distillation (default: on)")
+    p.add_argument("--lkd-steps", type=int, help="ZeroQuant: Adam steps per block (default 50)")
+    p.add_argument("--lkd-lr", type=float, help="ZeroQuant: learning rate (default 5e-5)")
+    p.add_argument("--lkd-samples", type=int, help="ZeroQuant: calibration samples to distil on (default: all)")
+    p.add_argument("--lkd-inputs", choices=("float", "quantized"),
+                   help="ZeroQuant: distil on the unquantized model's activations (default, the paper) or the "
+                   "quantized model's")
+
+
+def _alpha(text: str) -> float | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None

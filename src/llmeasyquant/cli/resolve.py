@@ -1,0 +1,109 @@
+"""Turn parsed options into library objects: the scheme or plan, the recipe, the KV cache, the calibration ids.
+
+Shared by the subcommands that quantize (quantize, eval with --kv-bits, compare); each error names the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmeasyquant.errors import LLMEasyQuantError
+
+if TYPE_CHECKING:
+    from llmeasyquant.scheme import ActMode
+
+log = logging.getLogger("llmeasyquant")
+
+
+def build_scheme_or_plan(args: argparse.Namespace, recipe: list):
+    from llmeasyquant.plan import Plan, Rule
+    from llmeasyquant.scheme import parse_scheme
+
+    body = _body_scheme_or_plan(args, recipe)
+    if args.lm_head is None:
+        return body
+    head = parse_scheme(args.lm_head)
+    if head.act is not None:
+        raise LLMEasyQuantError(f"--lm-head {args.lm_head}: the LM head takes a weight-only scheme (e.g. w8a16), "
+                                "its input is not calibrated")
+    rules = body.rules if isinstance(body, Plan) else Plan.uniform(body).rules
+    return Plan((Rule("lm_head", head), *rules))
+
+
+def _body_scheme_or_plan(args: argparse.Namespace, recipe: list):
+    from llmeasyquant.api import default_scheme
+    from llmeasyquant.plan import Plan
+    from llmeasyquant.scheme import make_scheme
+
+    if args.plan is not None:
+        return Plan.load(args.plan)
+    mode = act_mode(args)
+    if (args.bits, args.group_size, args.act_bits, mode) == (None, None, None, None) and not args.asym:
+        return default_scheme(recipe)
+    return make_scheme(8 if args.bits is None else args.bits, args.group_size, not args.asym,
+                       16 if args.act_bits is None else args.act_bits, act_mode=mode,
+                       momentum=args.act_momentum, eps=args.act_eps, std_floor=args.act_std_floor)
+
+
+def act_mode(args: argparse.Namespace) -> ActMode | None:
+    """--act-mode, with --static as its older spelling; None when neither is given."""
+    from llmeasyquant.scheme import ActMode
+
+    given = getattr(args, "act_mode", None)
+    mode = None if given is None else ActMode.parse(given)
+    if getattr(args, "static", False):
+        if mode not in (None, ActMode.STATIC):
+            raise LLMEasyQuantError(f"--static contradicts --act-mode {mode}; give one of them")
+        return ActMode.STATIC
+    return mode
+
+
+def build_simquant(args: argparse.Namespace):
+    """The SimQuant that --kv-bits and its options describe, or None without --kv-bits."""
+    if args.kv_bits is None:
+        return None
+    from llmeasyquant.methods.simquant import SimQuant
+    from llmeasyquant.nn.kv.config import KVQuantConfig
+
+    config = KVQuantConfig(key_bits=args.kv_bits, value_bits=args.kv_bits, outliers=args.kv_outliers,
+                           sinks=args.kv_sinks, key_channels=args.kv_key_channels, levels=args.kv_levels,
+                           key_block=args.kv_key_block)
+    if args.calib is None:
+        log.info("no --calib text: the KV cache tracks key ranges online")
+    return SimQuant(config)
+
+
+def method_options(args: argparse.Namespace) -> dict:
+    given = {"act_order": args.act_order, "alpha": args.alpha, "lkd": args.lkd, "steps": args.lkd_steps,
+             "lr": args.lkd_lr, "samples": args.lkd_samples, "lkd_inputs": args.lkd_inputs}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def build_recipe(args: argparse.Namespace) -> list:
+    """The recipe `--method` names (`rtn`, `gptq`, `smoothquant`, `smoothquant+gptq`) with its options."""
+    from llmeasyquant.methods import recipe_by_name
+    from llmeasyquant.scheme import ActMode
+
+    recipe = recipe_by_name(args.method, **method_options(args))
+    static = act_mode(args) is ActMode.STATIC
+    if (any(m.needs_calibration for m in recipe) or static) and not args.calib:
+        what = "static activation scales" if static else args.method
+        raise LLMEasyQuantError(f"{what} needs calibration text: pass --calib wikitext2 (shipped "
+                                "WikiText-2 validation), --calib PATH or --calib self")
+    return recipe
+
+
+def build_calibration(args: argparse.Namespace, recipe: list, model: torch.nn.Module, tokenizer: object):
+    from llmeasyquant.calibration.data import calibration_ids
+    from llmeasyquant.scheme import ActMode
+
+    wanted = any(getattr(m, "needs_calibration", False) for m in recipe) or act_mode(args) is ActMode.STATIC
+    if not wanted and not (getattr(args, "kv_bits", None) is not None and args.calib):
+        return None
+    ids, source = calibration_ids(args.calib, model, tokenizer, args.calib_samples, args.calib_seqlen, args.seed)
+    log.info("calibrating on %s: %d samples of %d tokens", source.description, ids.shape[0], ids.shape[1])
+    return ids

@@ -1,0 +1,59 @@
+// The Python module of the native operators (kernels/native.py builds it from this file, decoder_ops.cpp and
+// matmul_kernels.cpp). PYBIND11_MODULE defines the module's one init function, so the registration is a single
+// block in a file of its own: neither half owns it, and every name Python calls is listed here.
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+// ==== decoder operators (decoder_ops.cpp) ====
+
+// x: [..., width] fp32, weight: [width] fp32 -> [..., width] fp32
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps);
+// qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, keys, values: [kv_heads, max, dim] fp32
+// (written in place), q_norm, k_norm: [dim] fp32 or absent -> q: [rows, heads, dim] fp32
+at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor keys,
+                      at::Tensor values, int64_t pos, int64_t heads, const c10::optional<at::Tensor>& q_norm,
+                      const c10::optional<at::Tensor>& k_norm, double q_eps, double k_eps);
+// q: [heads, dim] or [1, heads, dim] fp32, keys, values: [kv_heads, max, dim] fp32 -> [1, heads * dim] fp32
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, int64_t length,
+                            double scale);
+// q: [rows, heads, dim] fp32, keys, values: [kv_heads, max, dim] fp32 -> [rows, heads * dim] fp32
+at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                            double scale);
+// wanted: bool -> bool (whether causal_attention now calls BLAS)
+bool use_blas(bool wanted);
+// gate_up: [rows, 2 * width] fp32 -> [rows, width] fp32
+at::Tensor silu_mul(const at::Tensor& gate_up_in);
+// x: [rows, in] fp32 -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double min_scale);
+// acc: [rows, out] int32, row_scales: [rows, 1] fp32, column_scales: [out] fp32 -> [rows, out] fp32
+at::Tensor dequantize_rows(const at::Tensor& acc_in, const at::Tensor& row_scales_in,
+                           const at::Tensor& column_scales_in);
+
+// ==== matmul kernels (matmul_kernels.cpp) ====
+
+// x: [rows, in] fp32, q: [out, in] int8, scales: [out] fp32 -> [rows, out] fp32
+at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in);
+// packed: [out, ceil(in / 2)] uint8, scales, zeros: [out, groups] fp32 (zeros absent: symmetric) -> [out, in] fp32
+at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                           int64_t in_features, int64_t group_size);
+// x: [rows, in] fp32, packed, scales, zeros as dequantize_int4 -> [rows, out] fp32
+at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, int64_t group_size);
+
+// ==== registration ====
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_blas", &use_blas);
+  m.def("dequantize_int4", &dequantize_int4);
+  m.def("int4_weight_matmul", &int4_weight_matmul);
+  m.def("int8_weight_matmul", &int8_weight_matmul);
+  m.def("rms_norm", &rms_norm);
+  m.def("rope_store", &rope_store);
+  m.def("decode_attention", &decode_attention);
+  m.def("causal_attention", &causal_attention);
+  m.def("silu_mul", &silu_mul);
+  m.def("quantize_rows", &quantize_rows);
+  m.def("dequantize_rows", &dequantize_rows);
+}

@@ -1,0 +1,401 @@
+// Fused CPU operators for the lean loop's prompt and decode steps: RMS norm, rotary embedding with the cache write,
+// attention over the cache (one query, or a prompt's rows causally), SiLU x up, and the int8 quantization of
+// activation rows and dequantization of W8A8's integer sums (kernels/native.py builds this file with
+// matmul_kernels.cpp and bindings.cpp on first use; bindings.cpp registers the operators by name).
+//
+// A decode step of a small model is bound by operator count, not by arithmetic: each PyTorch operator costs
+// 1-3 us of dispatch and allocation whatever its size, and a block runs dozens of them around its four GEMMs.
+// Each function here does in one call, in plain loops over contiguous fp32 rows, what the eager loop does in
+// several operators; for a prompt's rows the loops split over the threads, and attention runs on BLAS GEMMs.
+// The W8A8 GEMM stays PyTorch's integer operator; this file quantizes its input rows and scales its output.
+
+#include "common.h"
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+// ==== BLAS ====
+
+// The BLAS single-precision GEMM PyTorch's x86 and Arm builds carry (MKL / OpenBLAS) and export. Weak: where a
+// build lacks it the symbol is null and causal_attention falls back to at::mm, so the module still loads.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+namespace {
+
+// ==== row helpers: norm, dot product, weighted sums, rotary ====
+
+// y = weight * (x / sqrt(mean(x^2) + eps)) over one row of `width` values.
+void rms_norm_row(const float* x, const float* weight, float eps, int64_t width, float* y) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < width; ++i) sum += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) y[i] = weight[i] * (x[i] * inv);
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.0f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// out[j, :dim] = sum_t weights[j, t] * rows[t, :dim] for j < sums, weights [sums, count], rows [count, dim].
+// Up to kRegisterVecs vectors of sums stay in registers over the whole pass, so each row is read once and no
+// partial sum goes back to memory between rows.
+constexpr int64_t kRegisterVecs = 24;
+void weighted_sums(const float* weights, int64_t sums, const float* rows, int64_t count, int64_t dim, float* out) {
+  const int64_t vecs = dim / Vec::size();
+  if (dim % Vec::size() != 0 || sums * vecs > kRegisterVecs) {
+    std::fill_n(out, sums * dim, 0.0f);
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t j = 0; j < sums; ++j)
+        for (int64_t i = 0; i < dim; ++i) out[j * dim + i] += weights[j * count + t] * rows[t * dim + i];
+    return;
+  }
+  Vec acc[kRegisterVecs];
+  for (int64_t k = 0; k < sums * vecs; ++k) acc[k] = Vec(0.0f);
+  for (int64_t t = 0; t < count; ++t) {
+    const float* row = rows + t * dim;
+    for (int64_t j = 0; j < sums; ++j) {
+      const Vec w(weights[j * count + t]);
+      for (int64_t k = 0; k < vecs; ++k)
+        acc[j * vecs + k] = at::vec::fmadd(w, Vec::loadu(row + k * Vec::size()), acc[j * vecs + k]);
+    }
+  }
+  for (int64_t k = 0; k < sums * vecs; ++k) acc[k].store(out + k * Vec::size());
+}
+
+// Rotary embedding of one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+void rope_head(float* x, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] + (-b) * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// ==== GEMM on row-major buffers (BLAS, or at::mm) ====
+
+bool blas_wanted = true;  // false: the at::mm path, for the tests
+
+// Row-major c [m, n] (row stride ldc) = a [m, k] (row stride lda) times b^T or b, where b is [n, k] (row stride
+// ldb) when b_transposed, else [k, n]. BLAS is column-major, so it computes c^T = op(b) a^T.
+void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+               bool b_transposed, float* c, int64_t ldc) {
+  if (sgemm_ != nullptr && blas_wanted) {
+    const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+    const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
+    const float one = 1.0f, zero = 0.0f;
+    sgemm_(b_transposed ? "T" : "N", "N", &ni, &mi, &ki, &one, b, &ldbi, a, &ldai, &zero, c, &ldci);
+    return;
+  }
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor ta = at::from_blob(const_cast<float*>(a), {m, k}, {lda, 1}, options);
+  const at::Tensor tb = b_transposed ? at::from_blob(const_cast<float*>(b), {n, k}, {ldb, 1}, options).t()
+                                     : at::from_blob(const_cast<float*>(b), {k, n}, {ldb, 1}, options);
+  at::from_blob(c, {m, n}, {ldc, 1}, options).copy_(at::mm(ta, tb));
+}
+
+}  // namespace
+
+// ==== RMS norm ====
+
+// x: [..., width] fp32, weight: [width] fp32 -> y: [..., width] fp32
+// RMS norm of each row of x [..., width] with weight [width].
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  const at::Tensor weight = input(weight_in, at::kFloat, "weight");
+  const int64_t width = weight.numel();
+  TORCH_CHECK(x.size(-1) == width, "x has rows of ", x.size(-1), " values, the norm weight ", width);
+  at::Tensor y = at::empty_like(x);
+  const float* px = x.data_ptr<float>();
+  const float* pw = weight.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  for_rows(x.numel() / width, width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r)
+      rms_norm_row(px + r * width, pw, static_cast<float>(eps), width, py + r * width);
+  });
+  return y;
+}
+
+// ==== rotary embedding + cache write ====
+
+// qkv: [rows, (heads + 2 * kv_heads) * dim] fp32 (leading dims: any, holding `rows` rows), cos, sin: [rows, dim]
+// fp32, keys, values: [kv_heads, max, dim] fp32 contiguous (written in place at positions pos..pos+rows-1),
+// q_norm, k_norm: [dim] fp32 or both absent -> q: [rows, heads, dim] fp32
+// Attention inputs of `rows` tokens at positions pos..pos+rows-1: qkv [rows, (heads + 2 kv_heads) * dim] (queries,
+// keys, values side by side), cos/sin [rows, dim]. Optionally RMS-normalises each query and key head (Qwen3), rotates
+// queries and keys, writes keys and values to their positions of the layer's cache keys/values [kv_heads, max, dim],
+// and returns the rotated queries [rows, heads, dim].
+at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor keys,
+                      at::Tensor values, int64_t pos, int64_t heads, const c10::optional<at::Tensor>& q_norm,
+                      const c10::optional<at::Tensor>& k_norm, double q_eps, double k_eps) {
+  const at::Tensor qkv = input(qkv_in, at::kFloat, "qkv");
+  const at::Tensor cos = input(cos_in, at::kFloat, "cos");
+  const at::Tensor sin = input(sin_in, at::kFloat, "sin");
+  check_cpu(keys, at::kFloat, "keys");
+  check_cpu(values, at::kFloat, "values");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "keys and values must be [kv_heads, max, dim]");
+  const int64_t kv_heads = keys.size(0), max_tokens = keys.size(1), dim = keys.size(2);
+  const int64_t width = (heads + 2 * kv_heads) * dim;
+  TORCH_CHECK(qkv.dim() >= 1 && qkv.size(-1) == width, "qkv has rows of ", qkv.size(-1), " values, expected ", width);
+  const int64_t rows = qkv.numel() / width;
+  TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim, "cos and sin must hold ", rows,
+              " positions of ", dim, " values");
+  TORCH_CHECK(pos >= 0 && pos + rows <= max_tokens, "positions ", pos, "..", pos + rows - 1,
+              " are outside the cache of ", max_tokens);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "give both query and key norms or neither");
+  if (q_norm.has_value()) {
+    check_cpu(*q_norm, at::kFloat, "q_norm");
+    check_cpu(*k_norm, at::kFloat, "k_norm");
+    TORCH_CHECK(q_norm->numel() == dim && k_norm->numel() == dim, "q/k norm weights must have ", dim, " values");
+  }
+  at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  float* pq = q.data_ptr<float>();
+  float* pk = keys.data_ptr<float>();
+  float* pv = values.data_ptr<float>();
+  for_rows(rows, width, [&](int64_t first, int64_t last) {
+    std::vector<float> qk((heads + kv_heads) * dim);
+    for (int64_t r = first; r < last; ++r) {
+      const float* row = src + r * width;
+      std::copy_n(row, qk.size(), qk.data());
+      if (q_norm.has_value()) {
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+          const float* weight = (h < heads ? q_norm : k_norm)->data_ptr<float>();
+          const float eps = static_cast<float>(h < heads ? q_eps : k_eps);
+          rms_norm_row(qk.data() + h * dim, weight, eps, dim, qk.data() + h * dim);
+        }
+      }
+      for (int64_t h = 0; h < heads + kv_heads; ++h)
+        rope_head(qk.data() + h * dim, cos.data_ptr<float>() + r * dim, sin.data_ptr<float>() + r * dim, dim);
+      const float* v = row + (heads + kv_heads) * dim;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::copy_n(qk.data() + (heads + h) * dim, dim, pk + (h * max_tokens + pos + r) * dim);
+        std::copy_n(v + h * dim, dim, pv + (h * max_tokens + pos + r) * dim);
+      }
+      std::copy_n(qk.data(), heads * dim, pq + r * heads * dim);
+    }
+  });
+  return q;
+}
+
+// ==== attention over the cache ====
+
+// q: [heads, dim] or [1, heads, dim] fp32, keys, values: [kv_heads, max, dim] fp32 (positions 0..length-1 filled)
+// -> out: [1, heads * dim] fp32
+// Attention of one query token over the first `length` cached positions: q [heads, dim] or [1, heads, dim],
+// keys/values [kv_heads, max, dim] (grouped-query: query head h reads kv head h / (heads / kv_heads)). Returns
+// softmax(scale * q k^T) v as [1, heads * dim], heads side by side (the o projection's input).
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, int64_t length,
+                            double scale) {
+  const at::Tensor q = input(q_in, at::kFloat, "q").reshape({-1, q_in.size(-1)});
+  check_cpu(keys, at::kFloat, "keys");
+  check_cpu(values, at::kFloat, "values");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "keys and values must be [kv_heads, max, dim]");
+  const int64_t heads = q.size(0), dim = q.size(1), kv_heads = keys.size(0), max_tokens = keys.size(1);
+  TORCH_CHECK(keys.size(2) == dim, "queries have ", dim, " values per head, keys ", keys.size(2));
+  TORCH_CHECK(heads % kv_heads == 0, heads, " query heads do not group over ", kv_heads, " kv heads");
+  TORCH_CHECK(length >= 1 && length <= max_tokens, "length ", length, " is outside 1..", max_tokens);
+  at::Tensor out = at::empty({1, heads * dim}, q.options());
+  const float* pq = q.data_ptr<float>();
+  const float* pk = keys.data_ptr<float>();
+  const float* pv = values.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t group = heads / kv_heads;
+  const float s = static_cast<float>(scale);
+  // The query heads of one kv head are done together, so each cached key and value row is read once for all of
+  // them (at long contexts the reads, not the arithmetic, are the cost). kv heads are split over the threads once
+  // there is enough work to pay for it.
+  const int64_t grain = length * dim * group >= 8192 ? 1 : kv_heads;
+  at::parallel_for(0, kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * length);  // [group, length]
+    for (int64_t g = begin; g < end; ++g) {
+      const float* qg = pq + g * group * dim;
+      const float* kg = pk + g * max_tokens * dim;
+      for (int64_t t = 0; t < length; ++t)
+        for (int64_t j = 0; j < group; ++j) scores[j * length + t] = dot(qg + j * dim, kg + t * dim, dim) * s;
+      for (int64_t j = 0; j < group; ++j) {
+        float* row = scores.data() + j * length;
+        const float top = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, row,
+                                                     length);
+        at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, row, row, length);
+        const float total = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, row, length);
+        const Vec inv(1.0f / total);
+        at::vec::map([inv](Vec x) { return x * inv; }, row, row, length);
+      }
+      weighted_sums(scores.data(), group, pv + g * max_tokens * dim, length, dim, po + g * group * dim);
+    }
+  });
+  return out;
+}
+
+// q: [rows, heads, dim] fp32, keys, values: [kv_heads, max, dim] fp32 (positions 0..start+rows-1 filled)
+// -> out: [rows, heads * dim] fp32
+// Causal attention of `rows` query tokens at positions start..start+rows-1 over the cache: q [rows, heads, dim],
+// keys/values [kv_heads, max, dim] holding positions 0..start+rows-1 (grouped-query as above). Returns
+// softmax(scale * q k^T) v [rows, heads * dim], each token seeing the positions up to its own.
+// A task is one kv head and a block of query tokens. Per query head: one BLAS GEMM for the scores, one softmax pass
+// per row, one GEMM for the output (queries read and output written in place through their strides).
+at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                            double scale) {
+  const at::Tensor q = input(q_in, at::kFloat, "q");
+  check_cpu(keys, at::kFloat, "keys");
+  check_cpu(values, at::kFloat, "values");
+  TORCH_CHECK(q.dim() == 3, "q must be [rows, heads, dim]");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "keys and values must be [kv_heads, max, dim]");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(0),
+                max_tokens = keys.size(1);
+  TORCH_CHECK(keys.size(2) == dim, "queries have ", dim, " values per head, keys ", keys.size(2));
+  TORCH_CHECK(heads % kv_heads == 0, heads, " query heads do not group over ", kv_heads, " kv heads");
+  TORCH_CHECK(start >= 0 && start + rows <= max_tokens, "positions ", start, "..", start + rows - 1,
+              " are outside the cache of ", max_tokens);
+  at::Tensor out = at::empty({rows, heads * dim}, q.options());
+  const float* pq = q.data_ptr<float>();
+  const float* pk = keys.data_ptr<float>();
+  const float* pv = values.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t group = heads / kv_heads, stride = heads * dim;
+  const float s = static_cast<float>(scale);
+  constexpr int64_t kBlock = 64;  // query tokens a task: its scores (group x 64 x length floats) stay in L2
+  const int64_t blocks = (rows + kBlock - 1) / kBlock;
+  // Later blocks see more keys. Tasks alternate between the last and the first remaining block, so that the
+  // contiguous ranges parallel_for hands to the threads hold about the same work.
+  at::parallel_for(0, blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t turn = task / kv_heads, g = task % kv_heads;
+      const int64_t b = turn % 2 == 0 ? blocks - 1 - turn / 2 : turn / 2;
+      const int64_t first = b * kBlock, count = std::min(kBlock, rows - first), length = start + first + count;
+      const float* kg = pk + g * max_tokens * dim;
+      const float* vg = pv + g * max_tokens * dim;
+      scores.resize(count * length);
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t head = g * group + j;
+        // scores [count, length] = this head's queries [count, dim] k^T
+        gemm_rows(count, length, dim, pq + first * stride + head * dim, stride, kg, dim, true, scores.data(), length);
+        for (int64_t i = 0; i < count; ++i) {
+          float* row = scores.data() + i * length;
+          const int64_t seen = start + first + i + 1;  // keys up to this token's own position
+          const float top = s * at::vec::reduce_all<float>(
+              [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, row, seen);
+          at::vec::map([s, top](Vec x) { return (x * Vec(s) - Vec(top)).exp(); }, row, row, seen);
+          const float total = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, row, seen);
+          const Vec inv(1.0f / total);
+          at::vec::map([inv](Vec x) { return x * inv; }, row, row, seen);
+          std::fill(row + seen, row + length, 0.0f);
+        }
+        // out rows [count, dim] of this head = probabilities [count, length] v [length, dim].
+        gemm_rows(count, dim, length, scores.data(), length, vg, dim, false, po + first * stride + head * dim, stride);
+      }
+    }
+  });
+  return out;
+}
+
+// wanted: bool -> bool (whether causal_attention now calls BLAS)
+// Whether causal_attention calls BLAS directly from now on (where the build has it) or at::mm; returns which.
+bool use_blas(bool wanted) {
+  blas_wanted = wanted;
+  return sgemm_ != nullptr && blas_wanted;
+}
+
+// ==== SiLU x up ====
+
+// gate_up: [rows, 2 * width] fp32 -> out: [rows, width] fp32
+// silu(gate) * up for gate_up [rows, 2 * width] (gate then up, as the fused gate/up GEMM gives them).
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const at::Tensor gate_up = input(gate_up_in, at::kFloat, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * width]");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for_rows(rows, 2 * width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* gate = src + r * 2 * width;
+      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, dst + r * width, gate,
+                    gate + width, width);
+    }
+  });
+  return out;
+}
+
+// ==== activation rows: int8 quantize / dequantize (W8A8) ====
+
+// x: [width] fp32, scale: fp32 -> codes: [width] int8
+// codes[i] = round(x[i] / scale), ties to even, for |x[i] / scale| <= 127.5: IEEE division and the current
+// (nearest-even) rounding mode, as PyTorch's div and round.
+void codes_of_row(const float* x, float scale, int64_t width, int8_t* codes) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 divisor = _mm512_set1_ps(scale);
+  for (; i + 16 <= width; i += 16) {
+    const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), divisor),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rounded)));
+  }
+#endif
+  for (; i < width; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(x[i] / scale));
+}
+
+// x: [rows, in] fp32, min_scale: double -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
+// Dynamic symmetric per-row int8 codes and scales [rows, 1] of x [rows, in], bit for bit what
+// kernels/cpu.py's quantize_rows_symmetric computes: scale = max(max|x| / 127, min_scale), codes = round(x / scale)
+// with ties to even (the same IEEE division and rounding).
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double min_scale) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor codes = at::empty({rows, width}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows, 1}, x.options());
+  const float* px = x.data_ptr<float>();
+  int8_t* pc = codes.data_ptr<int8_t>();
+  float* ps = scales.data_ptr<float>();
+  for_rows(rows, width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* row = px + r * width;
+      float top = 0.0f;  // max is exact in any order, so the vectorised reduction changes nothing
+#pragma omp simd reduction(max : top)
+      for (int64_t i = 0; i < width; ++i) top = std::max(top, std::fabs(row[i]));
+      const float scale = std::max(top / 127.0f, static_cast<float>(min_scale));
+      ps[r] = scale;
+      codes_of_row(row, scale, width, pc + r * width);
+    }
+  });
+  return {codes, scales};
+}
+
+// acc: [rows, out] int32, row_scales: [rows, 1] fp32, column_scales: [out] fp32 -> out: [rows, out] fp32
+// float(acc) * row_scale * column_scale for acc [rows, out] int32, row_scales [rows, 1], column_scales [out]:
+// the W8A8 kernel's epilogue in its order, bit for bit.
+at::Tensor dequantize_rows(const at::Tensor& acc_in, const at::Tensor& row_scales_in,
+                           const at::Tensor& column_scales_in) {
+  const at::Tensor acc = input(acc_in, at::kInt, "acc");
+  const at::Tensor row_scales = input(row_scales_in, at::kFloat, "row_scales");
+  const at::Tensor column_scales = input(column_scales_in, at::kFloat, "column_scales");
+  TORCH_CHECK(acc.dim() == 2 && row_scales.numel() == acc.size(0) && column_scales.numel() == acc.size(1),
+              "acc [rows, out] needs row_scales [rows, 1] and column_scales [out]");
+  const int64_t rows = acc.size(0), width = acc.size(1);
+  at::Tensor out = at::empty({rows, width}, acc.options().dtype(at::kFloat));
+  const int32_t* pa = acc.data_ptr<int32_t>();
+  const float* pr = row_scales.data_ptr<float>();
+  const float* pc = column_scales.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  for_rows(rows, width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) po[r * width + i] = static_cast<float>(pa[r * width + i]) * pr[r] * pc[i];
+    }
+  });
+  return out;
+}

@@ -1,0 +1,313 @@
+// Weight-only matmuls on the CPU: W8A16 (int8 weights) and W4A16 (int4 weights, and their dequantization for
+// GEMMs of many rows), with fp32 activations and sums where PyTorch's weight-only operators round them to bf16
+// (kernels/native.py builds this file with decoder_ops.cpp and bindings.cpp on first use; bindings.cpp registers
+// the operators by name). The W8A8 GEMM stays PyTorch's integer operator.
+
+#include "common.h"
+
+#include <vector>
+
+namespace {
+
+// ==== int8 weight rows: prefetch and dot products ====
+
+// sums[j] = sum_i float(w[j * stride + i]) * x[i] for kWeightRows rows of int8 weights: the int8 codes widened to
+// fp32 in registers (exact), fp32 products and sums. Four rows share each load of x. `next` (the rows that follow,
+// or null) is prefetched a cache line at a time: decode reads every weight once, from memory, and the hardware
+// prefetcher alone left a third of the bandwidth unused.
+constexpr int64_t kWeightRows = 4;
+constexpr int64_t kCacheLine = 64;
+void prefetch_rows(const int8_t* next, int64_t stride, int64_t i) {
+  if (next != nullptr && i % kCacheLine == 0)
+    for (int64_t j = 0; j < kWeightRows; ++j) __builtin_prefetch(next + j * stride + i, 0, 3);
+}
+
+void int8_dot_rows(const int8_t* w, const int8_t* next, int64_t stride, const float* x, int64_t width, float* sums) {
+  int64_t i = 0;
+  for (int64_t j = 0; j < kWeightRows; ++j) sums[j] = 0.0f;
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 acc[kWeightRows];
+  for (int64_t j = 0; j < kWeightRows; ++j) acc[j] = _mm512_setzero_ps();
+  for (; i + 16 <= width; i += 16) {
+    prefetch_rows(next, stride, i);
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int64_t j = 0; j < kWeightRows; ++j) {
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * stride + i));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, acc[j]);
+    }
+  }
+  for (int64_t j = 0; j < kWeightRows; ++j) sums[j] = _mm512_reduce_add_ps(acc[j]);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 acc[kWeightRows];
+  for (int64_t j = 0; j < kWeightRows; ++j) acc[j] = _mm256_setzero_ps();
+  for (; i + 8 <= width; i += 8) {
+    prefetch_rows(next, stride, i);
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int64_t j = 0; j < kWeightRows; ++j) {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * stride + i));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), xv, acc[j]);
+    }
+  }
+  for (int64_t j = 0; j < kWeightRows; ++j) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[j]);
+    for (float lane : lanes) sums[j] += lane;
+  }
+#endif
+  for (; i < width; ++i)
+    for (int64_t j = 0; j < kWeightRows; ++j) sums[j] += static_cast<float>(w[j * stride + i]) * x[i];
+}
+
+// ==== int4 groups and nibbles ====
+
+// The weights of one group of int4 codes, dequantized as the reference does: (float(u - 8) - zero) * scale, one
+// rounding, u the stored nibble (kernels' layout: even column in the low nibble). AVX-512 turns 16 nibbles into
+// their weights with one permute of a 16-entry table made per group, so the table holds exactly those values.
+struct Int4Group {
+  float scale, zero;
+  float value(uint8_t nibble) const { return (static_cast<float>(static_cast<int>(nibble) - 8) - zero) * scale; }
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 table() const {
+    const __m512 codes = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    return _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
+  }
+#endif
+};
+
+uint8_t nibble(const uint8_t* packed, int64_t column) {
+  return column % 2 == 0 ? packed[column / 2] & 0x0F : packed[column / 2] >> 4;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The 16 weights of columns column..column+15 (column even) from the group's table.
+__m512 int4_weights(const uint8_t* packed, int64_t column, __m512 table) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + column / 2));
+  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+  return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)), table);
+}
+
+// The 32 weights of columns column..column+31 (column even) from 16 bytes: those of the even columns, then those of
+// the odd ones. The permute reads the low 4 bits of each index, so the low nibble needs no mask.
+void int4_weights32(const uint8_t* packed, int64_t column, __m512 table, __m512& even, __m512& odd) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + column / 2)));
+  even = _mm512_permutexvar_ps(bytes, table);
+  odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+#endif
+
+// Calls body(first, last, group) for each group's column range of a row of `width` columns.
+template <typename Body>
+void for_groups(int64_t width, int64_t group_size, const Body& body) {
+  for (int64_t g = 0, first = 0; first < width; ++g, first += group_size)
+    body(first, std::min(width, first + group_size), g);
+}
+
+}  // namespace
+
+// ==== W8A16: int8-weight matmul ====
+
+// x: [rows, in] fp32, q: [out, in] int8, scales: [out] fp32 -> y: [rows, out] fp32
+// x [rows, in] fp32 times int8 weights q [out, in] (per-output-channel codes) scaled by scales [out]:
+// y[r, o] = scales[o] * sum_i q[o, i] * x[r, i], in fp32 throughout. For W8A16 decode: PyTorch's int8 operator
+// takes bf16 activations and rounds its output to bf16; this one keeps fp32 and streams the weights as fast.
+at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  const at::Tensor q = input(q_in, at::kChar, "q");
+  const at::Tensor scales = input(scales_in, at::kFloat, "scales");
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "x [rows, in] and q [out, in] must share in");
+  TORCH_CHECK(scales.numel() == q.size(0), "scales must have one value per output channel");
+  const int64_t rows = x.size(0), width = x.size(1), out = q.size(0);
+  at::Tensor y = at::empty({rows, out}, x.options());
+  const float* px = x.data_ptr<float>();
+  const int8_t* pq = q.data_ptr<int8_t>();
+  const float* ps = scales.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  const int64_t blocks = (out + kWeightRows - 1) / kWeightRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    float sums[kWeightRows];
+    std::vector<int8_t> last;  // a last block of fewer rows, zero-padded to kWeightRows
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * kWeightRows, count = std::min(kWeightRows, out - first);
+      const int8_t* w = pq + first * width;
+      if (count < kWeightRows) {
+        last.assign(kWeightRows * width, 0);
+        std::copy_n(w, count * width, last.data());
+        w = last.data();
+      }
+      // The next block's rows, where this thread goes on to them; a short last block is never read past.
+      const int8_t* next = b + 1 < end && first + 2 * kWeightRows <= out ? w + kWeightRows * width : nullptr;
+      for (int64_t r = 0; r < rows; ++r) {
+        int8_dot_rows(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
+        for (int64_t j = 0; j < count; ++j) py[r * out + first + j] = sums[j] * ps[first + j];
+      }
+    }
+  });
+  return y;
+}
+
+// ==== W4A16 weights: packed int4 codes, scales, zeros ====
+
+// Weights of W4A16 layers: packed [out, ceil(in / 2)] uint8 nibbles (u = code + 8, even column low), scales and
+// zeros [out, groups] fp32 (zeros absent: symmetric), `group_size` columns a group (even, or one group a row).
+struct Int4Weights {
+  const uint8_t* packed;
+  const float* scales;
+  const float* zeros;
+  int64_t out, width, groups, group_size, row_bytes;
+
+  Int4Weights(const at::Tensor& packed_t, const at::Tensor& scales_t, const c10::optional<at::Tensor>& zeros_t,
+              int64_t in_features, int64_t group_size_in)
+      : packed(packed_t.data_ptr<uint8_t>()), scales(scales_t.data_ptr<float>()),
+        zeros(zeros_t.has_value() ? zeros_t->data_ptr<float>() : nullptr), out(packed_t.size(0)),
+        width(in_features), groups(scales_t.size(1)), group_size(group_size_in), row_bytes(packed_t.size(1)) {
+    TORCH_CHECK(packed_t.dim() == 2 && row_bytes == (width + 1) / 2, "packed must be [out, ceil(in / 2)] = [", out,
+                ", ", (width + 1) / 2, "]");
+    TORCH_CHECK(group_size > 0 && (group_size % 2 == 0 || group_size >= width),
+                "group size must be even or cover the row, got ", group_size);
+    TORCH_CHECK(scales_t.dim() == 2 && scales_t.size(0) == out && groups == (width + group_size - 1) / group_size,
+                "scales must be [out, groups] = [", out, ", ", (width + group_size - 1) / group_size, "]");
+    TORCH_CHECK(!zeros_t.has_value() || zeros_t->sizes() == scales_t.sizes(), "zeros must match scales");
+  }
+
+  Int4Group group(int64_t row, int64_t g) const {
+    return {scales[row * groups + g], zeros != nullptr ? zeros[row * groups + g] : 0.0f};
+  }
+
+  // The fp32 weights of output channel `row` into w [width].
+  void dequantize_row(int64_t row, float* w) const {
+    const uint8_t* p = packed + row * row_bytes;
+    for_groups(width, group_size, [&](int64_t first, int64_t last, int64_t g) {
+      const Int4Group q = group(row, g);
+      int64_t i = first;
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m512 table = q.table();
+      for (; i + 16 <= last; i += 16) _mm512_storeu_ps(w + i, int4_weights(p, i, table));
+#endif
+      for (; i < last; ++i) w[i] = q.value(nibble(p, i));
+    });
+  }
+};
+
+Int4Weights int4_weights_of(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                            int64_t in_features, int64_t group_size) {
+  check_cpu(packed, at::kByte, "packed");
+  check_cpu(scales, at::kFloat, "scales");
+  if (zeros.has_value()) check_cpu(*zeros, at::kFloat, "zeros");
+  TORCH_CHECK(packed.dim() == 2 && scales.dim() == 2,
+              "packed [out, ceil(in / 2)] and scales [out, groups] must be 2-D");
+  return Int4Weights(packed, scales, zeros, in_features, group_size);
+}
+
+// ==== W4A16: dequantize_int4 ====
+
+// packed: [out, ceil(in / 2)] uint8, scales: [out, groups] fp32, zeros: [out, groups] fp32 or absent,
+// groups = ceil(in / group_size) -> w: [out, in] fp32
+// The fp32 weight [out, in] of a W4A16 layer, equal bit for bit to the reference kernel's dequantization: for many
+// rows the kernel multiplies by it with PyTorch's fp32 GEMM, as the reference does, in one pass instead of five.
+at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                           int64_t in_features, int64_t group_size) {
+  const Int4Weights weights = int4_weights_of(packed, scales, zeros, in_features, group_size);
+  at::Tensor w = at::empty({weights.out, in_features}, scales.options());
+  float* pw = w.data_ptr<float>();
+  for_rows(weights.out, in_features, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) weights.dequantize_row(r, pw + r * in_features);
+  });
+  return w;
+}
+
+// ==== W4A16: int4-weight matmul ====
+
+constexpr int64_t kPrefetchChannels = 4;
+
+// Activation rows [rows, width] with each full block of 32 columns reordered as its 16 even columns, then its 16 odd
+// ones: the order int4_weights32 gives the weights in. Only blocks that start on a multiple of 32 are read so,
+// which every block inside a group is when groups are multiples of 32 wide or span the row.
+std::vector<float> split_even_odd(const float* x, int64_t rows, int64_t width) {
+  std::vector<float> split(x, x + rows * width);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c + 32 <= width; c += 32)
+      for (int64_t k = 0; k < 16; ++k) {
+        split[r * width + c + k] = x[r * width + c + 2 * k];
+        split[r * width + c + 16 + k] = x[r * width + c + 2 * k + 1];
+      }
+  return split;
+}
+
+// sums[r] = x[r] . (weights of output channel o) for R rows of x [.., width] (split: the same rows reordered by
+// split_even_odd, or null): each weight dequantized in registers as dequantize_int4 does, once for the R rows,
+// multiplied with fp32 activations in fp32. Even and odd columns sum apart: two independent chains of FMAs.
+template <int64_t R>
+void int4_channel(const Int4Weights& weights, int64_t o, const float* x, const float* split, float* sums) {
+  const uint8_t* p = weights.packed + o * weights.row_bytes;
+  const int64_t width = weights.width;
+  if (o + kPrefetchChannels < weights.out)  // a later channel's bytes, requested now: decode reads them from memory
+    for (int64_t b = 0; b < weights.row_bytes; b += kCacheLine)
+      __builtin_prefetch(p + kPrefetchChannels * weights.row_bytes + b, 0, 3);
+  for (int64_t r = 0; r < R; ++r) sums[r] = 0.0f;
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 acc[R], acc_odd[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = acc_odd[r] = _mm512_setzero_ps();
+#endif
+  for_groups(width, weights.group_size, [&](int64_t first, int64_t last, int64_t g) {
+    const Int4Group q = weights.group(o, g);
+    int64_t i = first;
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512 table = q.table();
+    if (split != nullptr) {
+      for (; i + 32 <= last; i += 32) {
+        __m512 even, odd;
+        int4_weights32(p, i, table, even, odd);
+        for (int64_t r = 0; r < R; ++r) {
+          acc[r] = _mm512_fmadd_ps(even, _mm512_loadu_ps(split + r * width + i), acc[r]);
+          acc_odd[r] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(split + r * width + i + 16), acc_odd[r]);
+        }
+      }
+    }
+    for (; i + 16 <= last; i += 16) {
+      const __m512 w = int4_weights(p, i, table);
+      for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * width + i), acc[r]);
+    }
+#endif
+    for (; i < last; ++i) {
+      const float w = q.value(nibble(p, i));
+      for (int64_t r = 0; r < R; ++r) sums[r] += w * x[r * width + i];
+    }
+  });
+#if defined(CPU_CAPABILITY_AVX512)
+  for (int64_t r = 0; r < R; ++r) sums[r] += _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc_odd[r]));
+#endif
+}
+
+// x: [rows, in] fp32, packed: [out, ceil(in / 2)] uint8, scales: [out, groups] fp32, zeros: [out, groups] fp32 or
+// absent -> y: [rows, out] fp32
+// y [rows, out] = x [rows, in] times the W4A16 weights, for a few rows (decode; dequantize_int4 and a GEMM serve
+// a prompt): rows four at a time, so each dequantized weight serves four activation rows.
+at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, int64_t group_size) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  const int64_t rows = x.size(0), width = x.size(1);
+  const Int4Weights weights = int4_weights_of(packed, scales, zeros, width, group_size);
+  at::Tensor y = at::empty({rows, weights.out}, x.options());
+  const float* px = x.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  std::vector<float> split;
+  if (group_size % 32 == 0 || group_size >= width) split = split_even_odd(px, rows, width);
+  const float* ps = split.empty() ? nullptr : split.data();
+  at::parallel_for(0, weights.out, 16, [&](int64_t begin, int64_t end) {
+    float sums[4];
+    for (int64_t o = begin; o < end; ++o) {
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) {
+        int4_channel<4>(weights, o, px + r * width, ps == nullptr ? nullptr : ps + r * width, sums);
+        for (int64_t k = 0; k < 4; ++k) py[(r + k) * weights.out + o] = sums[k];
+      }
+      for (; r < rows; ++r) {
+        int4_channel<1>(weights, o, px + r * width, ps == nullptr ? nullptr : ps + r * width, sums);
+        py[r * weights.out + o] = sums[0];
+      }
+    }
+  });
+  return y;
+}
