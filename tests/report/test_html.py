@@ -84,7 +84,7 @@ def pngs() -> dict[str, bytes]:
 
 @pytest.fixture
 def fake_figures(pngs: dict[str, bytes]):
-    """A stand-in for compare_plots.write_figures: the same interface, the eight PNGs written at once."""
+    """A stand-in for compare_figures.write_figures: the same interface, the eight PNGs written at once."""
     def write_figures(records: list[Record], out_dir: Path) -> dict[str, Path]:
         assert records
         paths = {}
@@ -293,18 +293,16 @@ def test_cli_report_registered(tmp_path: Path, fake_figures, monkeypatch: pytest
 
 
 def test_with_real_figures(tmp_path: Path) -> None:
-    """The real compare_plots.write_figures, once it exists: eight embedded figures, all captioned."""
+    """The real compare_figures.write_figures: eight embedded figures, all captioned."""
     pytest.importorskip("matplotlib")
-    from llmeasyquant.report import compare_figures as compare_plots
+    from llmeasyquant.report import compare_figures
 
-    if not hasattr(compare_plots, "write_figures"):
-        pytest.skip("compare_plots.write_figures is not written yet")
     path = write_report(make_records(), tmp_path / "rep")
     page = path.read_text()
     assert_self_contained(page)
     figures = _figures(page)
-    assert len(figures) == len(compare_plots.FIGURES) == len(STEMS)
-    for figure, (title, _) in zip(figures, compare_plots.FIGURES.values(), strict=True):
+    assert len(figures) == len(compare_figures.FIGURES) == len(STEMS)
+    for figure, (title, _) in zip(figures, compare_figures.FIGURES.values(), strict=True):
         assert f"{title}." in figure and "20 windows × 512 tokens" in figure
 
 

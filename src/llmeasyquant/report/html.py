@@ -190,7 +190,7 @@ pre { background: #f6f6f6; padding: .5rem .8rem; overflow-x: auto; white-space: 
 
 
 def _figure_titles() -> dict[str, str]:
-    """Figure titles from compare_plots.FIGURES when that module can be imported; file stems otherwise."""
+    """Figure titles from compare_figures.FIGURES when that module can be imported; file stems otherwise."""
     try:
         from llmeasyquant.report.compare_figures import FIGURES
     except ImportError:

@@ -132,7 +132,7 @@ def _colour_ticklabels(labels: list[Any], names: list[str], colours: dict[str, A
     for label, name in zip(labels, names, strict=False):
         label.set_color(colours.get(name, "black"))
 
-# Figure titles by file stem, in report order (compare_plots.FIGURES pairs them with their functions).
+# Figure titles by file stem, in report order (compare_figures.FIGURES pairs them with their functions).
 TITLES = {
     "weight_distributions": "Weights before and after quantization",
     "quality": "Quality: perplexity and KL divergence",
