@@ -50,7 +50,7 @@ def _text_files() -> list[tuple[str, str]]:
 def test_no_tracked_file_names_a_folder_beside_the_checkout():
     hits = [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
             for rel, text in _text_files() for m in OUTSIDE_SPELLINGS.finditer(text)
-]
+            if rel != "tests/test_standalone.py"]  # its own patterns spell them
     assert not hits, "paths outside the repository (ship what is needed instead):\n" + "\n".join(hits)
 
 
