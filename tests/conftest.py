@@ -6,8 +6,10 @@ Everything here is built in code from configs: no downloads, no network, millise
 from __future__ import annotations
 
 import os
+import site
 import string
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,20 +32,33 @@ team won the league and the cup. The album was released in the United States and
 
 
 # Files opened in a folder beside the checkout (such as a team's shared data folder), by any code a test runs,
-# however the path was built. Hidden folders (~/.cache and the like, when the checkout sits in a home folder) are
-# caches, not data. An audit hook cannot be removed, so it only appends; each test checks what it added.
+# however the path was built. Not counted: hidden folders (~/.cache and the like, when the checkout sits in a home
+# folder), the interpreter's own folders (a virtual environment may sit beside the checkout) and the scratch folders
+# of pytest and tempfile (a checkout may sit in the temporary folder). An audit hook cannot be removed, so it only
+# appends; each test checks what it added.
 _CHECKOUT = Path(__file__).resolve().parent.parent
+_INTERPRETER = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages())}
+_TEMP = Path(tempfile.gettempdir()).resolve()
 _OUTSIDE_OPENS: list[str] = []
+
+
+def _beside_the_checkout(path: Path) -> bool:
+    if not path.is_relative_to(_CHECKOUT.parent) or path.is_relative_to(_CHECKOUT):
+        return False
+    if path.relative_to(_CHECKOUT.parent).parts[0].startswith("."):
+        return False
+    if any(path.is_relative_to(root) for root in _INTERPRETER):
+        return False
+    scratch = path.relative_to(_TEMP).parts[:1] if path.is_relative_to(_TEMP) else ()
+    return not (scratch and scratch[0].startswith(("pytest-of-", "tmp")))
 
 
 def _audit_outside_opens(event: str, args: tuple) -> None:
     if event != "open" or not isinstance(args[0], str | bytes | os.PathLike):
         return
     path = Path(os.path.abspath(os.fsdecode(args[0])))
-    if path.is_relative_to(_CHECKOUT.parent) and not path.is_relative_to(_CHECKOUT):
-        first = path.relative_to(_CHECKOUT.parent).parts[0]
-        if not first.startswith("."):
-            _OUTSIDE_OPENS.append(str(path))
+    if _beside_the_checkout(path):
+        _OUTSIDE_OPENS.append(str(path))
 
 
 sys.addaudithook(_audit_outside_opens)

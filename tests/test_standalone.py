@@ -122,3 +122,18 @@ def test_runs_from_a_bare_copy_of_the_repository(tmp_path, llama_folder):
     assert done.stdout.startswith("4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c "
                                   "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8")
     assert "WikiText-2 raw test" in done.stdout
+
+
+def test_the_audit_hook_flags_only_folders_beside_the_checkout():
+    """conftest.py's hook: a sibling data folder is flagged, the checkout, caches, the interpreter and scratch
+    folders are not (tested on the predicate, so that no test has to write beside the checkout)."""
+    import sysconfig
+    import tempfile
+
+    from conftest import _CHECKOUT, _beside_the_checkout
+
+    assert _beside_the_checkout(_CHECKOUT.parent / ("sha" + "red") / "data" / "valid.txt")
+    assert not _beside_the_checkout(_CHECKOUT / "src" / "llmeasyquant" / "texts" / "wikitext2" / "valid.txt")
+    assert not _beside_the_checkout(_CHECKOUT.parent / ".cache" / "torch_extensions" / "x.so")
+    assert not _beside_the_checkout(Path(sysconfig.get_paths()["purelib"]).resolve() / "torch" / "__init__.py")
+    assert not _beside_the_checkout(Path(tempfile.gettempdir()).resolve() / "pytest-of-user" / "x" / "wiki.txt")
