@@ -101,6 +101,8 @@ def load_text(spec: str | None, split: texts.Split = "test") -> TextSource:
         return text_from_hub(spec[len(HUB_PREFIX):], split)
     if spec.lower() == SELF_TEXT:
         raise DataError("'self' (text the model generates) needs the model; it is resolved by resolve_text")
+    if not Path(spec).expanduser().exists() and Path(spec).name == spec and not Path(spec).suffix:
+        raise DataError(f"no shipped text and no file is named {spec!r}; give {TEXT_SPECS}")
     return read_text_file(spec)
 
 
