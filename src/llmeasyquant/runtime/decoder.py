@@ -16,60 +16,12 @@ Logits equal transformers' to float rounding (tests compare them on tiny models 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmeasyquant.errors import ConfigError
-from llmeasyquant.kernels import native
-from llmeasyquant.models.arch import apply_rope, arch_for, get_module
-
-Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _Norm:
-    weight: torch.Tensor
-    eps: float
-
-    @classmethod
-    def of(cls, module: nn.Module) -> _Norm:
-        eps = next((getattr(module, name) for name in ("variance_epsilon", "eps") if hasattr(module, name)), None)
-        if eps is None:
-            raise ConfigError(f"{type(module).__name__} has no epsilon the lean decoder can read")
-        return cls(module.weight, float(eps))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-_NO_NORM = _Norm(None, 0.0)  # type: ignore[arg-type]  # what the fused rotary operator reads as "no q/k norm"
-
-
-@dataclass(frozen=True)
-class _Block:
-    attn_norm: _Norm
-    qkv: Linear  # [T, hidden] -> [T, (heads + 2 kv_heads) * head_dim]: q, k, v side by side
-    qk_norm: tuple[_Norm, _Norm] | None
-    o: Linear
-    mlp_norm: _Norm
-    gate_up: Linear  # [T, hidden] -> [T, 2 * intermediate]: gate then up
-    activation: Callable[[torch.Tensor], torch.Tensor]
-    down: Linear
-
-
-def _joined(members: list[nn.Module]) -> Linear:
-    """One callable giving the members' outputs side by side: their fused group's single GEMM when
-    `fuse_shared_inputs` joined them, else each layer in turn."""
-    shared = [getattr(m, "shared", None) for m in members]
-    if shared[0] is not None and all(s is not None and s[0] is shared[0][0] and s[1] == i
-                                     for i, s in enumerate(shared)):
-        return shared[0][0].combined.forward
-    calls = [m.forward for m in members]  # .forward skips nn.Module.__call__'s hook bookkeeping on the hot path
-    return lambda x: torch.cat([call(x) for call in calls], dim=-1)
+from llmeasyquant.models.arch import apply_rope
+from llmeasyquant.runtime.model_parts import NO_NORM, DecoderParts
 
 
 class LeanDecoder:
@@ -80,61 +32,16 @@ class LeanDecoder:
     fused operators cannot be built or do not cover the model)."""
 
     def __init__(self, model: nn.Module, max_tokens: int, fused: bool = True) -> None:
-        arch = arch_for(model)
-        spec = arch.decoder
-        if spec is None:
-            raise ConfigError(f"the lean decode loop does not cover the {arch.family} family (no `decoder` entry in "
-                              "models/arch.py); run it on transformers' forward instead (--runtime transformers)")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        config = model.config
-        blocks = get_module(model, arch.blocks)
-        attention = get_module(blocks[0], spec.attention)
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.scaling = int(attention.head_dim), float(attention.scaling)
-        for block in blocks:
-            # Per layer where the family sets it per layer (Qwen2/3), else the config's (Mistral).
-            window = getattr(get_module(block, spec.attention), "sliding_window",
-                             getattr(config, "sliding_window", None))
-            if window is not None and window < max_tokens:
-                raise ConfigError(f"this model attends over a sliding window of {window} tokens; the lean decoder "
-                                  f"keeps full attention, so it runs at most {window} tokens (asked: {max_tokens})")
-        self.embed = get_module(model, arch.embeddings[0])
-        self.final_norm = _Norm.of(get_module(model, arch.final_norm))
-        self.lm_head = get_module(model, arch.lm_head).forward
-        self.blocks = [self._block(block, arch.attention, spec) for block in blocks]
-        dtype = self.embed.weight.dtype
+        parts = DecoderParts(model, max_tokens, fused)
+        self.parts, self.blocks, self.fused_ops = parts, parts.blocks, parts.fused_ops
+        self.heads, self.kv_heads, self.head_dim, self.scaling = (parts.heads, parts.kv_heads, parts.head_dim,
+                                                                  parts.scaling)
         shape = (len(self.blocks), 1, self.kv_heads, max_tokens, self.head_dim)  # [blocks, batch, heads, pos, dim]
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
-        rotary = get_module(model, arch.rotary_embedding)
-        positions = torch.arange(max_tokens)[None]
-        cos, sin = rotary(torch.zeros(1, dtype=dtype), positions)  # [1, max_tokens, head_dim]
-        self.cos, self.sin = cos[0, :, None, :].to(dtype), sin[0, :, None, :].to(dtype)  # [pos, 1, dim]
+        self.keys = torch.zeros(shape, dtype=parts.dtype)
+        self.values = torch.zeros(shape, dtype=parts.dtype)
+        self.cos, self.sin = parts.cos[:, None, :], parts.sin[:, None, :]  # [pos, 1, dim]
         self.max_tokens = max_tokens
         self.length = 0
-        # The fused operators work on fp32 rows and compute SiLU; anything else steps on PyTorch operators.
-        covered = dtype == torch.float32 and getattr(config, "hidden_act", None) in ("silu", "swish")
-        self.fused_ops = native.ops() if fused and covered else None
-
-    @staticmethod
-    def _block(block: nn.Module, attention, spec) -> _Block:
-        def at(path: str) -> nn.Module:
-            return get_module(block, path)
-
-        qk_norm = None
-        if spec.qk_norm is not None:
-            qk_norm = (_Norm.of(at(spec.qk_norm[0])), _Norm.of(at(spec.qk_norm[1])))
-        return _Block(
-            attn_norm=_Norm.of(at(spec.attn_norm)),
-            qkv=_joined([at(attention.q), at(attention.k), at(attention.v)]),
-            qk_norm=qk_norm,
-            o=at(attention.o).forward,
-            mlp_norm=_Norm.of(at(spec.mlp_norm)),
-            gate_up=_joined([at(spec.gate), at(spec.up)]),
-            activation=at(spec.activation),
-            down=at(spec.down).forward,
-        )
 
     def reset(self) -> None:
         self.length = 0
@@ -142,6 +49,9 @@ class LeanDecoder:
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the prompt ids [P] (or [1, P]) into the cache; logits [vocab] of the next token."""
+        if ids.dim() > 1 and ids.shape[0] != 1:
+            raise ValueError(f"LeanDecoder runs one sequence, but ids hold {ids.shape[0]} prompts [{tuple(ids.shape)}]"
+                             "; decode a batch with runtime.Engine (continuous batching) or one prompt at a time")
         return self._logits(self._forward(ids.reshape(-1)))
 
     @torch.no_grad()
@@ -167,7 +77,7 @@ class LeanDecoder:
             raise ValueError(f"the sequence would reach {end} tokens; this decoder was built for {self.max_tokens}")
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.final_norm(hidden))[0]
+        return self.parts.logits(hidden)[0]
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self._fused_run(ids) if self.fused_ops is not None else self._run(ids)
@@ -182,7 +92,7 @@ class LeanDecoder:
         mask = None
         if count > 1 and start > 0:  # a chunk after a cached prefix: position i sees the prefix and itself
             mask = torch.ones(count, end, dtype=torch.bool).tril(diagonal=start)
-        x = self.embed(ids)  # [T, hidden]
+        x = self.parts.embed(ids)  # [T, hidden]
         for index, block in enumerate(self.blocks):
             qkv = block.qkv(block.attn_norm(x))  # [T, (heads + 2 kv_heads) * dim]
             qk = qkv[:, : (heads + kv_heads) * dim].view(count, heads + kv_heads, dim)
@@ -208,11 +118,11 @@ class LeanDecoder:
         end = start + count
         self._check_room(end)
         cos, sin = self.cos[start:end, 0], self.sin[start:end, 0]  # [T, dim]
-        x = self.embed(ids)  # [T, hidden]
+        x = self.parts.embed(ids)  # [T, hidden]
         for index, block in enumerate(self.blocks):
             keys, values = self.keys[index, 0], self.values[index, 0]  # [kv_heads, max_tokens, dim], written in place
             qkv = block.qkv(ops.rms_norm(x, block.attn_norm.weight, block.attn_norm.eps))
-            q_norm, k_norm = block.qk_norm or (_NO_NORM, _NO_NORM)
+            q_norm, k_norm = block.qk_norm or (NO_NORM, NO_NORM)
             queries = ops.rope_store(qkv, cos, sin, keys, values, start, self.heads, q_norm.weight, k_norm.weight,
                                      q_norm.eps, k_norm.eps)  # [T, heads, dim]
             if count == 1:  # one query row: every cached key read once for the query heads that share it

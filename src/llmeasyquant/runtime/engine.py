@@ -1,0 +1,436 @@
+"""The serving engine: requests in, token streams out, with continuous batching over the lean decoder.
+
+One background thread runs steps. Each step:
+1. ends the sequences whose clients cancelled, giving their slots and KV blocks back;
+2. admits waiting requests in arrival order while a slot is free and the KV pool can reserve blocks for the prompt
+   and all `max_tokens` (runtime/kv_pool.py), so an admitted request never waits for memory again;
+3. runs one forward over the rows of every running sequence (runtime/batch.py): one row per decoding sequence, and
+   prompt chunks of prefilling ones. Prefill is chunked: a prompt runs in chunks whose ends are aligned to
+   multiples of `prefill_chunk` positions, at most `prefill_chunk` prompt tokens a step over all sequences, so a
+   long prompt delays the decoding sequences by one chunk's work per step, never by the whole prompt. Aligned
+   chunks make a sequence's computation the same whatever runs beside it;
+4. samples each sequence's next token on its own generator, detokenizes it, cuts stop strings, and pushes an event
+   to the request's stream.
+Requests join and leave the batch at every step. The queue is bounded (`max_queue`): beyond it submit raises
+QueueFull, which a server answers with 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.runtime.batch import BatchDecoder
+from llmeasyquant.runtime.detokenize import Detokenizer
+from llmeasyquant.runtime.kv_pool import MIB, FloatPool, KVPool, QuantPool, Shape
+from llmeasyquant.runtime.model_parts import DecoderParts
+from llmeasyquant.runtime.requests import (
+    Completion,
+    EngineStats,
+    EngineStopped,
+    QueueFull,
+    RequestError,
+    SamplingParams,
+    TokenEvent,
+)
+from llmeasyquant.runtime.sampling import greedy_tokens, sample
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 4096
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_memory_mb: float = 256.0
+    kv_bits: int | None = None  # None: float cache in kv_dtype (or the checkpoint's SimQuant cache); 2/3/4/8: codes
+    kv_dtype: str = "float16"  # float cache storage: "float16" or "float32"
+    max_running: int = 16  # sequences decoded together at most
+    max_queue: int = 64  # requests waiting beyond those; more -> QueueFull
+    prefill_chunk: int = 256  # prompt tokens prefilled per step (chunked prefill)
+    max_context: int | None = None  # prompt + completion tokens per request (None: the model's, at most 4096)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be 0 or more, got {self.max_queue}")
+        if not self.kv_memory_mb > 0:
+            raise ConfigError(f"the KV memory must be positive (MiB), got {self.kv_memory_mb}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ConfigError(f"max_context must be at least 2 tokens, got {self.max_context}")
+
+
+class RequestStream:
+    """The events of one request, readable from a thread (`for event in stream`) or from an event loop
+    (`async for event in stream`). `cancel()` asks the engine to end it at its next step."""
+
+    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+        self.id, self.prompt_tokens = request_id, prompt_tokens
+        self.cancelled = False
+        self._lock = threading.Condition()
+        self._events: deque[TokenEvent] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[TokenEvent] | None = None
+        self._wake: threading.Event | None = None  # set by the engine's cancel hook
+        self.finished = False
+
+    def push(self, event: TokenEvent) -> None:
+        with self._lock:
+            if event.finish_reason is not None:
+                self.finished = True
+            if self._queue is not None:
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads this stream any more
+                    self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+                return
+            self._events.append(event)
+            self._lock.notify_all()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            with self._lock:
+                while not self._events:
+                    self._lock.wait()
+                event = self._events.popleft()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._async_events()
+
+    async def _async_events(self) -> AsyncIterator[TokenEvent]:
+        with self._lock:
+            self._loop, self._queue = asyncio.get_running_loop(), asyncio.Queue()
+            while self._events:
+                self._queue.put_nowait(self._events.popleft())
+        while True:
+            event = await self._queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+@dataclass
+class _Sequence:
+    stream: RequestStream
+    params: SamplingParams
+    prompt: list[int]
+    detokenizer: Detokenizer
+    generator: torch.Generator | None
+    slot: int = -1
+    prefilled: int = 0  # prompt positions in the cache
+    tokens: list[int] = field(default_factory=list)  # generated ids (the last one not yet in the cache)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+
+class Engine:
+    """Continuous batching over one model (see the module docstring). `submit` is thread-safe."""
+
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None, name: str = "model") -> None:
+        config = config or EngineConfig()
+        if tokenizer is None:
+            raise ConfigError("serving needs the model's tokenizer; this model or checkpoint has none")
+        self.model, self.tokenizer, self.config, self.name = model.eval(), tokenizer, config, name
+        limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_CONTEXT
+        self.max_context = config.max_context or min(limit, DEFAULT_MAX_CONTEXT)
+        if self.max_context > limit:
+            raise ConfigError(f"max_context {self.max_context} is past the model's {limit} positions")
+        parts = DecoderParts(model, self.max_context)
+        if parts.dtype != torch.float32:
+            raise ConfigError(f"the serving engine runs fp32 models; this one is {parts.dtype}: load it in float32")
+        self.pool = self._pool(parts)
+        self.decoder = BatchDecoder(parts, self.pool)
+        self.vocab = int(model.config.vocab_size)
+        self.eos = _eos_ids(model, tokenizer)
+        self._lock = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._accepting = True
+        self._deadline: float | None = None  # set by shutdown: running requests end by then
+        self._thread: threading.Thread | None = None
+        self._steps = 0
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        log.info("serving %s: %s KV cache, %.0f MiB, %d blocks of %d positions, %d sequences of 1,024 tokens fit",
+                 name, self.pool.kind, config.kv_memory_mb, self.pool.num_blocks, self.pool.block_size,
+                 self.pool.capacity(1024))
+
+    def _pool(self, parts: DecoderParts) -> KVPool:
+        shape = Shape(len(parts.blocks), parts.kv_heads, parts.head_dim, parts.heads)
+        budget = int(self.config.kv_memory_mb * MIB)
+        kv = self._kv_config()
+        if kv is None:
+            return FloatPool(shape, budget, self.config.max_running, self.max_context, self.config.kv_dtype)
+        if kv.key_channels:
+            log.info("the serving KV pool codes keys on each block's own range; the %d calibrated fp16 key "
+                     "channels of the offline cache are not kept", kv.key_channels)
+        return QuantPool(shape, budget, self.config.max_running, self.max_context, kv, parts.cos, parts.sin)
+
+    def _kv_config(self):
+        from llmeasyquant.nn.kv.config import KVQuantConfig
+
+        if self.config.kv_bits is not None:
+            return KVQuantConfig(key_bits=self.config.kv_bits, value_bits=self.config.kv_bits)
+        spec = getattr(getattr(self.model, "llmeasyquant", None), "kv_cache", None)
+        if spec is not None:
+            log.info("the checkpoint was quantized with a %s KV cache; serving with it", spec.config.name)
+            return spec.config
+        return None
+
+    @classmethod
+    def load(cls, spec: str, config: EngineConfig | None = None, name: str | None = None) -> Engine:
+        """An engine over a checkpoint folder or a model spec (such as smollm2-135m)."""
+        from llmeasyquant.export.checkpoint import is_checkpoint, load
+        from llmeasyquant.models.load import load_model
+        from llmeasyquant.nn.fused import fuse_shared_inputs
+
+        model, tokenizer = load(spec) if is_checkpoint(spec) else load_model(spec)
+        fuse_shared_inputs(model)  # q/k/v and gate/up as one GEMM each: the same results, fewer calls
+        return cls(model, tokenizer, config, name or (Path(spec).name if is_checkpoint(spec) else str(spec)))
+
+    # requests ----------------------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})", "prompt")
+        else:
+            raise RequestError("the prompt must be a string or a list of token ids", "prompt")
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token", "prompt")
+        return ids
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids of a conversation through the tokenizer's chat template, ending with the assistant's
+        turn to speak."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise RequestError("this model's tokenizer has no chat template; use the completions endpoint",
+                               "messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of {role, content}", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES \
+                    or not isinstance(message.get("content"), str):
+                raise RequestError(f"messages[{i}] must have a role ({', '.join(CHAT_ROLES)}) and a string content",
+                                   "messages")
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestStream:
+        """Queue a request; its stream of events. Raises RequestError (with the field) for a request that cannot
+        run, QueueFull when the queue is at max_queue, EngineStopped after shutdown."""
+        params = params or SamplingParams()
+        params.check()
+        ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
+                               "(prompt and completion): shorten it", "prompt", "context_length_exceeded")
+        total = len(ids) + params.max_tokens
+        if total > self.max_context:
+            raise RequestError(f"max_tokens {params.max_tokens} with a prompt of {len(ids)} tokens is past the "
+                               f"context of {self.max_context}: ask for at most {self.max_context - len(ids)}",
+                               "max_tokens", "context_length_exceeded")
+        if not self.pool.fits_ever(total):
+            raise RequestError(f"{total} tokens need {self.pool.bytes_for(total) / MIB:.1f} MiB of KV cache; the "
+                               f"server holds {self.config.kv_memory_mb:g} MiB: ask for fewer tokens (or start it "
+                               "with a larger --kv-memory)", "max_tokens")
+        stream = RequestStream(f"cmpl-{uuid.uuid4().hex[:24]}", len(ids))
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        sequence = _Sequence(stream, params, ids, Detokenizer(self.tokenizer, params.stop), generator)
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down and takes no new request")
+            if len(self._waiting) >= self.config.max_queue and not self._admissible(sequence):
+                raise QueueFull(f"{len(self._running)} requests are running and {len(self._waiting)} waiting (the "
+                                f"most the queue holds); retry later")
+            self._waiting.append(sequence)
+            self._lock.notify_all()
+        self.start()
+        return stream
+
+    def _admissible(self, sequence: _Sequence) -> bool:
+        """Whether the sequence would be admitted at once (a slot and its blocks free, nobody ahead of it)."""
+        return not self._waiting and len(self._running) < self.config.max_running and \
+            self.pool.used_bytes() + self.pool.bytes_for(len(sequence.prompt) + sequence.params.max_tokens) \
+            <= self.pool.budget
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
+        """Run one request to its end (blocking)."""
+        start = time.perf_counter()
+        stream = self.submit(prompt, params)
+        text, ids, times, reason = [], [], [], "stop"
+        for event in stream:
+            text.append(event.text)
+            ids.extend(event.token_ids)
+            times.append(event.time_s)
+            reason = event.finish_reason or reason
+        first = times[0] - start if times else 0.0
+        return Completion("".join(text), ids, stream.prompt_tokens, reason, first, times)
+
+    # the loop ----------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="llmeasyquant-engine", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop accepting; waiting requests end now, running ones by `grace_s` seconds from now."""
+        with self._lock:
+            self._accepting = False
+            self._deadline = time.perf_counter() + grace_s
+            while self._waiting:
+                self._end(self._waiting.popleft(), "shutdown")
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=grace_s + 30.0)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._admit()
+                while not self._running:
+                    if not self._accepting:
+                        return
+                    self._lock.wait(timeout=1.0)
+                    self._admit()
+                if self._deadline is not None and time.perf_counter() > self._deadline:
+                    for sequence in list(self._running):
+                        self._finish(sequence, "shutdown")
+                    continue
+                batch = list(self._running)
+            try:
+                self._step(batch)
+            except Exception:  # a failed step ends its requests, never the server
+                log.exception("a decode step failed; its %d requests end with an error", len(batch))
+                with self._lock:
+                    for sequence in batch:
+                        if sequence in self._running:
+                            self._finish(sequence, "error")
+
+    def _admit(self) -> None:
+        """Under the lock: drop cancelled sequences, then admit waiting ones in order while they fit."""
+        for sequence in [s for s in self._running if s.stream.cancelled]:
+            self._finish(sequence, "cancelled")
+        for sequence in [s for s in self._waiting if s.stream.cancelled]:
+            self._waiting.remove(sequence)
+            self._end(sequence, "cancelled")
+        while self._waiting and len(self._running) < self.config.max_running:
+            sequence = self._waiting[0]
+            slot = self.pool.allocate(len(sequence.prompt) + sequence.params.max_tokens)
+            if slot is None:
+                return
+            sequence.slot = slot
+            self._running.append(self._waiting.popleft())
+
+    def _end(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+        sequence.stream.push(TokenEvent(text, token_ids, len(sequence.prompt), len(sequence.tokens), reason,
+                                        time.perf_counter()))
+
+    def _finish(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+        """Under the lock: end a running sequence and give its slot and blocks back."""
+        self._running.remove(sequence)
+        self.pool.release(sequence.slot)
+        self._end(sequence, reason, text, token_ids)
+
+    def _step(self, batch: list[_Sequence]) -> None:
+        ids, row_seq, positions, wanted, sampling = [], [], [], [], []
+        budget = self.config.prefill_chunk
+        for sequence in batch:
+            if sequence.decoding:
+                position = len(sequence.prompt) + len(sequence.tokens) - 1
+                ids.append(sequence.tokens[-1])
+                row_seq.append(sequence.slot)
+                positions.append(position)
+            else:
+                start = sequence.prefilled
+                end = min(len(sequence.prompt), (start // self.config.prefill_chunk + 1) * self.config.prefill_chunk)
+                if end - start > budget:
+                    continue  # its chunk waits for the next step; chunks are never cut differently
+                budget -= end - start
+                ids.extend(sequence.prompt[start:end])
+                row_seq.extend([sequence.slot] * (end - start))
+                positions.extend(range(start, end))
+                sequence.prefilled = end
+                if not sequence.decoding:
+                    continue
+            wanted.append(len(ids) - 1)
+            sampling.append(sequence)
+        rows = self.pool.rows(row_seq, positions)
+        logits = self.decoder.forward(torch.tensor(ids), rows, torch.tensor(wanted, dtype=torch.int64))
+        self._steps += 1
+        greedy = greedy_tokens(logits) if any(s.params.greedy for s in sampling) else []
+        now = time.perf_counter()
+        with self._lock:
+            for index, sequence in enumerate(sampling):
+                if sequence not in self._running:
+                    continue
+                token = greedy[index] if sequence.params.greedy else sample(logits[index], sequence.params,
+                                                                            sequence.generator)
+                self._advance(sequence, token, now)
+
+    def _advance(self, sequence: _Sequence, token: int, now: float) -> None:
+        """Under the lock: take the sequence's new token, push its text, end it when it is done."""
+        sequence.tokens.append(token)
+        count = len(sequence.tokens)
+        if token in self.eos and not sequence.params.ignore_eos:  # counted as generated, never shown
+            self._finish(sequence, "stop", sequence.detokenizer.flush())
+            return
+        text = sequence.detokenizer.add(token)
+        if sequence.detokenizer.stopped:
+            self._finish(sequence, "stop", text, (token,))
+        elif count >= sequence.params.max_tokens:
+            self._finish(sequence, "length", text + sequence.detokenizer.flush(), (token,))
+        else:
+            sequence.stream.push(TokenEvent(text, (token,), len(sequence.prompt), count, None, now))
+
+    # state -------------------------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(len(self._running), len(self._waiting), self.config.max_running,
+                               self.config.max_queue, self.pool.used_bytes(), self.pool.budget, self.pool.kind,
+                               self.pool.block_size, self.pool.blocks_used, self.pool.num_blocks, self._steps,
+                               self._accepting)
+
+    def kv_capacity(self, tokens: int) -> int:
+        """Sequences of `tokens` tokens the KV budget holds at once."""
+        return self.pool.capacity(tokens)
+
+
+def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
+    found = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(found if isinstance(found, list | tuple) else [found] if found is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

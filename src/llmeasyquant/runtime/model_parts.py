@@ -1,0 +1,125 @@
+"""A pre-norm rotary decoder taken apart for the lean loops (runtime/decoder.py at batch 1, runtime/batch.py for
+the serving engine): its embedding, its blocks' norms and linears as plain callables, the final norm, the head and
+the rotary tables, read once from the model's own modules (the families whose arch entry has a `decoder` map).
+
+Calling `.forward` of each module skips nn.Module.__call__'s hook bookkeeping on the hot path; QuantLinear layers
+run through their kernels, and layers fused by `fuse_shared_inputs` run as one GEMM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.kernels import native
+from llmeasyquant.models.arch import arch_for, get_module
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Norm:
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Norm:
+        eps = next((getattr(module, name) for name in ("variance_epsilon", "eps") if hasattr(module, name)), None)
+        if eps is None:
+            raise ConfigError(f"{type(module).__name__} has no epsilon the lean decoder can read")
+        return cls(module.weight, float(eps))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+NO_NORM = Norm(None, 0.0)  # type: ignore[arg-type]  # what the fused rotary operators read as "no q/k norm"
+
+
+@dataclass(frozen=True)
+class Block:
+    attn_norm: Norm
+    qkv: Linear  # [T, hidden] -> [T, (heads + 2 kv_heads) * head_dim]: q, k, v side by side
+    qk_norm: tuple[Norm, Norm] | None
+    o: Linear
+    mlp_norm: Norm
+    gate_up: Linear  # [T, hidden] -> [T, 2 * intermediate]: gate then up
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    down: Linear
+
+
+def joined(members: list[nn.Module]) -> Linear:
+    """One callable giving the members' outputs side by side: their fused group's single GEMM when
+    `fuse_shared_inputs` joined them, else each layer in turn."""
+    shared = [getattr(m, "shared", None) for m in members]
+    if shared[0] is not None and all(s is not None and s[0] is shared[0][0] and s[1] == i
+                                     for i, s in enumerate(shared)):
+        return shared[0][0].combined.forward
+    calls = [m.forward for m in members]
+    return lambda x: torch.cat([call(x) for call in calls], dim=-1)
+
+
+class DecoderParts:
+    """The model's parts for `max_tokens` positions; `fused_ops` is the compiled operator module where the model
+    is fp32 with SiLU (what the fused operators compute), else None."""
+
+    def __init__(self, model: nn.Module, max_tokens: int, fused: bool = True) -> None:
+        arch = arch_for(model)
+        spec = arch.decoder
+        if spec is None:
+            raise ConfigError(f"the lean decode loop does not cover the {arch.family} family (no `decoder` entry in "
+                              "models/arch.py); run it on transformers' forward instead (--runtime transformers)")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        config = model.config
+        blocks = get_module(model, arch.blocks)
+        attention = get_module(blocks[0], spec.attention)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.scaling = int(attention.head_dim), float(attention.scaling)
+        for block in blocks:
+            # Per layer where the family sets it per layer (Qwen2/3), else the config's (Mistral).
+            window = getattr(get_module(block, spec.attention), "sliding_window",
+                             getattr(config, "sliding_window", None))
+            if window is not None and window < max_tokens:
+                raise ConfigError(f"this model attends over a sliding window of {window} tokens; the lean decoder "
+                                  f"keeps full attention, so it runs at most {window} tokens (asked: {max_tokens})")
+        self.embed = get_module(model, arch.embeddings[0])
+        self.final_norm = Norm.of(get_module(model, arch.final_norm))
+        self.lm_head = get_module(model, arch.lm_head).forward
+        self.blocks = [self._block(block, arch.attention, spec) for block in blocks]
+        self.dtype = self.embed.weight.dtype
+        rotary = get_module(model, arch.rotary_embedding)
+        cos, sin = rotary(torch.zeros(1, dtype=self.dtype), torch.arange(max_tokens)[None])  # [1, max, head_dim]
+        self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()  # [max, dim]
+        self.max_tokens = max_tokens
+        # The fused operators work on fp32 rows and compute SiLU; anything else steps on PyTorch operators.
+        covered = self.dtype == torch.float32 and getattr(config, "hidden_act", None) in ("silu", "swish")
+        self.fused_ops = native.ops() if fused and covered else None
+
+    @staticmethod
+    def _block(block: nn.Module, attention, spec) -> Block:
+        def at(path: str) -> nn.Module:
+            return get_module(block, path)
+
+        qk_norm = None
+        if spec.qk_norm is not None:
+            qk_norm = (Norm.of(at(spec.qk_norm[0])), Norm.of(at(spec.qk_norm[1])))
+        return Block(
+            attn_norm=Norm.of(at(spec.attn_norm)),
+            qkv=joined([at(attention.q), at(attention.k), at(attention.v)]),
+            qk_norm=qk_norm,
+            o=at(attention.o).forward,
+            mlp_norm=Norm.of(at(spec.mlp_norm)),
+            gate_up=joined([at(spec.gate), at(spec.up)]),
+            activation=at(spec.activation),
+            down=at(spec.down).forward,
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits [rows, vocab] of final hidden states [rows, hidden]."""
+        return self.lm_head(self.final_norm(hidden))
