@@ -1,0 +1,240 @@
+"""The serving engine: greedy tokens against the lean decoder, batch invariance, the KV pool's budget, the queue,
+cancellation, stop strings, sampling and shutdown."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tests.runtime.test_decoder import FAMILIES, family_model
+
+import llmeasyquant as lq
+from llmeasyquant import LeanDecoder
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.methods.rtn import RTN
+from llmeasyquant.nn.kv.config import KVQuantConfig
+from llmeasyquant.runtime.engine import Engine, EngineConfig
+from llmeasyquant.runtime.kv_pool import FloatPool, QuantPool, Shape
+from llmeasyquant.runtime.requests import EngineStopped, QueueFull, RequestError, SamplingParams
+from llmeasyquant.scheme import parse_scheme
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def lively() -> torch.nn.Module:
+    """A tiny llama whose greedy continuations vary (random norm weights), so that a mixed-up row would show."""
+    return family_model("llama")
+
+
+def prompts(count: int, vocab: int = 256) -> list[list[int]]:
+    """Prompts of different lengths, some past a prefill chunk and a KV block."""
+    lengths = [5, 37, 20, 9, 64, 3, 41, 16][:count]
+    return [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def run_all(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    """Submit every prompt before reading any stream: they run together."""
+    streams = [engine.submit(p, params) for p in batch]
+    return [[t for event in stream for t in event.token_ids] for stream in streams]
+
+
+@pytest.fixture
+def engine_for(tiny_tokenizer):
+    made: list[Engine] = []
+
+    def make(model: torch.nn.Module, **options) -> Engine:
+        engine = Engine(model, tiny_tokenizer, EngineConfig(**{"kv_memory_mb": 8, "prefill_chunk": 16} | options))
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.shutdown(grace_s=5)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_greedy_equals_the_lean_decoder(engine_for, family):
+    model = family_model(family)
+    engine = engine_for(model, kv_dtype="float32")
+    batch = prompts(4)
+    for prompt, tokens in zip(batch, run_all(engine, batch), strict=True):
+        alone = LeanDecoder(model, len(prompt) + 12).generate(torch.tensor(prompt), 12).tolist()
+        assert tokens == alone
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16-g32", "w8a16"])
+def test_eight_in_a_batch_equal_each_alone_on_the_reference_kernel(engine_for, monkeypatch, scheme):
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", "reference")
+    model = lq.quantize(lively(), RTN(), parse_scheme(scheme), progress=False)
+    batch = prompts(8)
+    together = run_all(engine_for(model), batch)
+    alone = [run_all(engine_for(model), [p])[0] for p in batch]
+    assert together == alone
+
+
+def test_default_kernels_agreement_is_reported(engine_for, record_property):
+    model = lq.quantize(lively(), RTN(), parse_scheme("w4a16-g32"), progress=False)
+    batch = prompts(8)
+    together = run_all(engine_for(model), batch)
+    alone = [run_all(engine_for(model), [p])[0] for p in batch]
+    same = sum(a == b for x, y in zip(together, alone, strict=True) for a, b in zip(x, y, strict=True))
+    record_property("greedy_tokens_equal", f"{same}/{8 * GREEDY.max_tokens}")
+    assert same >= 0.75 * 8 * GREEDY.max_tokens
+
+
+def test_four_bit_cache_follows_the_float_cache(engine_for):
+    model = lively()
+    batch = prompts(4)
+    exact = run_all(engine_for(model, kv_dtype="float32"), batch)
+    coded = run_all(engine_for(model, kv_bits=4), batch)
+    same = sum(a == b for x, y in zip(exact, coded, strict=True) for a, b in zip(x, y, strict=True))
+    assert same >= 0.5 * 4 * GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_every_cache_width_serves(engine_for, bits):
+    tokens = run_all(engine_for(lively(), kv_bits=bits), prompts(3))
+    assert [len(t) for t in tokens] == [12, 12, 12]
+
+
+def test_four_bit_pool_holds_three_times_the_fp16_sequences():
+    shape = Shape(layers=30, kv_heads=3, head_dim=64, heads=9)  # SmolLM2-135M
+    budget = 512 * 2**20
+    fp16 = FloatPool(shape, budget, 64, 2048, "float16")
+    table = torch.zeros(2048, 64)
+    coded = QuantPool(shape, budget, 64, 2048, KVQuantConfig(key_bits=4, value_bits=4), table, table)
+    assert coded.capacity(1024) >= 3 * fp16.capacity(1024) > 0
+
+
+def test_pool_gives_blocks_back():
+    pool = FloatPool(Shape(2, 2, 16, 4), 2**20, 4, 256, "float32")
+    free = pool.num_blocks
+    slots = [pool.allocate(100) for _ in range(3)]
+    assert pool.blocks_used == 3 * pool.blocks_for(100)
+    for slot in slots:
+        pool.release(slot)
+    assert pool.blocks_used == 0 and len(pool._free_blocks) == free
+    assert pool.allocate(10**6) is None
+
+
+def test_requests_that_cannot_run_are_refused_with_the_field(engine_for):
+    engine = engine_for(lively(), max_context=64)
+    with pytest.raises(RequestError, match="context") as error:
+        engine.submit(list(range(3, 70)), GREEDY)
+    assert error.value.param == "prompt"
+    with pytest.raises(RequestError, match="at most 54") as error:
+        engine.submit(list(range(3, 13)), SamplingParams(max_tokens=60))
+    assert error.value.param == "max_tokens"
+    for bad, field in [(SamplingParams(max_tokens=0), "max_tokens"), (SamplingParams(temperature=3.0), "temperature"),
+                       (SamplingParams(top_p=0.0), "top_p"), (SamplingParams(top_k=-1), "top_k")]:
+        with pytest.raises(RequestError) as error:
+            engine.submit([5, 6], bad)
+        assert error.value.param == field
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.submit([5, 10**6], GREEDY)
+    with pytest.raises(RequestError, match="empty"):
+        engine.submit([], GREEDY)
+    assert engine.generate([5, 6, 7], GREEDY).completion_tokens == 12  # and it still serves
+
+
+def test_a_request_larger_than_the_kv_budget_is_refused(engine_for):
+    engine = engine_for(lively(), kv_memory_mb=0.05, max_context=256)
+    with pytest.raises(RequestError, match="KV cache"):
+        engine.submit([5] * 10, SamplingParams(max_tokens=240))
+
+
+def test_a_full_queue_says_so_and_the_rest_still_run(engine_for):
+    engine = engine_for(lively(), max_running=1, max_queue=1)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with engine._lock:  # hold the loop so that nothing is admitted while the queue fills
+        first = engine.submit([5, 6, 7], long)
+        with pytest.raises(QueueFull, match="retry"):
+            engine.submit([5, 6, 7], long)
+    assert [e for e in first][-1].finish_reason == "length"
+
+
+def test_cancelled_requests_free_their_blocks(engine_for):
+    engine = engine_for(lively())
+    stream = engine.submit([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    events = iter(stream)
+    next(events)
+    stream.cancel()
+    assert [e.finish_reason for e in events][-1] == "cancelled"
+    assert engine.stats().blocks_used == 0 and engine.stats().running == 0
+
+
+def test_stop_strings_cut_the_text(engine_for, tiny_tokenizer):
+    engine = engine_for(lively())
+    free = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    stop = free.text[5:8]
+    assert stop.strip(), free.text
+    cut = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                           stop=(stop,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+
+
+def test_seeded_sampling_repeats_whatever_runs_beside_it(engine_for):
+    engine = engine_for(lively(), kv_dtype="float32")
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = run_all(engine, [[5, 6, 7]], params)[0]
+    crowd = run_all(engine, [[5, 6, 7], *prompts(3)], params)[0]
+    assert alone == crowd
+    other = run_all(engine, [[5, 6, 7]], SamplingParams(**{**params.__dict__, "seed": 8}))[0]
+    assert other != alone
+
+
+def test_eos_ends_a_request_as_stop(engine_for, tiny_tokenizer):
+    model = lively()
+    engine = engine_for(model, kv_dtype="float32")
+    prompt = prompts(5)[4]
+    free = engine.generate(prompt, GREEDY).token_ids
+    first_new = next(i for i, token in enumerate(free) if i and token not in free[:i])
+    engine.eos = {free[first_new]}
+    ended = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    assert ended.completion_tokens == first_new
+    assert ended.finish_reason == "stop"
+    assert ended.token_ids == free[:first_new]  # the end-of-sequence token is never shown
+
+
+def test_shutdown_ends_running_and_waiting_requests(engine_for):
+    engine = engine_for(lively(), max_running=1)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    running, waiting = engine.submit([5, 6], long), engine.submit([7, 8], long)
+    next(iter(running))
+    closer = threading.Thread(target=engine.shutdown, kwargs={"grace_s": 0.0})
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive()
+    assert [e.finish_reason for e in running][-1] == "shutdown"
+    assert [e.finish_reason for e in waiting][-1] == "shutdown"
+    with pytest.raises(EngineStopped):
+        engine.submit([5], GREEDY)
+
+
+def test_chat_prompt_needs_a_template_and_wellformed_messages(engine_for):
+    engine = engine_for(lively())
+    with pytest.raises(RequestError, match="chat template"):
+        engine.chat_prompt([{"role": "user", "content": "hi"}])
+    engine.tokenizer = _with_template(engine.tokenizer)
+    with pytest.raises(RequestError, match="messages\\[0\\]"):
+        engine.chat_prompt([{"role": "robot", "content": "hi"}])
+    ids = engine.chat_prompt([{"role": "user", "content": "hi"}])
+    assert ids and all(isinstance(i, int) for i in ids)
+
+
+def _with_template(tokenizer):
+    import copy
+
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    return templated
+
+
+def test_engine_options_are_checked():
+    with pytest.raises(ConfigError, match="max_running"):
+        EngineConfig(max_running=0)
+    with pytest.raises(ConfigError, match="KV memory"):
+        EngineConfig(kv_memory_mb=0)
