@@ -1,0 +1,366 @@
+"""The FastAPI app: the OpenAI endpoints over one Engine, /health and /metrics.
+
+Every request is parsed and checked before it reaches the engine, so a bad one is answered with an OpenAI error
+body (serving/errors.py) and never touches the decode loop. A stream is read on the event loop (the engine pushes
+its events there; no thread per request); when its client goes away the request is cancelled, and the engine gives
+its sequence and KV blocks back at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmeasyquant.runtime.requests import RequestError, TokenEvent
+from llmeasyquant.serving import protocol
+from llmeasyquant.serving.errors import ApiError, api_error, error_body
+from llmeasyquant.serving.metrics import RequestTracker, ServerMetrics
+from llmeasyquant.version import __version__
+
+if TYPE_CHECKING:
+    from llmeasyquant.runtime.engine import Engine, RequestStream
+
+log = logging.getLogger(__name__)
+
+UNCOUNTED_PATHS = ("/health", "/metrics")  # scraped often: counting them would drown the API's own requests
+# Without max_tokens a chat request gets the rest of the context, up to this: the engine reserves KV memory for
+# max_tokens when it admits a request, so an open-ended default would hold a whole context's cache per request.
+CHAT_DEFAULT_MAX_TOKENS = 512
+SSE_PING_S = 15.0
+MAX_BODY_BYTES = 8 * 2**20  # far past any prompt a 4,096-token context holds, as text or as token ids
+SHUTDOWN_MARGIN_S = 5.0  # past the engine's grace: time for the last events to reach the clients
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    model_name: str
+    api_key: str | None
+    shutdown_grace_s: float
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    created: int = field(default_factory=protocol.now)
+    _stopping: asyncio.Future | None = None
+
+    def begin_shutdown(self) -> asyncio.Future:
+        """Stop the engine (once) in a thread: it refuses new requests at once, ends the waiting ones, and gives the
+        running ones `shutdown_grace_s` seconds before ending them with finish_reason "shutdown". Awaitable."""
+        if self._stopping is None:
+            log.info("shutting down: no new requests; running ones get %.0f s to finish", self.shutdown_grace_s)
+            self._stopping = asyncio.ensure_future(asyncio.to_thread(self.engine.shutdown, self.shutdown_grace_s))
+        return self._stopping
+
+
+def build_app(engine: Engine, served_model_name: str | None = None, api_key: str | None = None,
+              shutdown_grace_s: float = 30.0) -> FastAPI:
+    """The app serving `engine` under `served_model_name` (default: the engine's name). With `api_key`, every
+    endpoint but /health needs `Authorization: Bearer <api_key>`."""
+    state = ServerState(engine, served_model_name or engine.name, api_key or None, shutdown_grace_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await state.begin_shutdown()
+
+    app = FastAPI(title="llmeasyquant", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = state
+    _add_error_handlers(app, state)
+    auth = [Depends(_authorizer(state))]
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = engine.stats()
+        body = {"status": "ok" if stats.accepting else "shutting_down", "model": state.model_name,
+                "running": stats.running, "waiting": stats.waiting, "kv_blocks_used": stats.blocks_used,
+                "kv_blocks_total": stats.blocks_total}
+        return JSONResponse(body, status_code=200 if stats.accepting else 503)
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render(engine)
+        return Response(body, headers={"Content-Type": content_type})
+
+    @app.get("/v1/models", dependencies=auth)
+    @_guarded
+    async def models() -> JSONResponse:
+        state.metrics.count("ok")
+        return JSONResponse({"object": "list", "data": [protocol.model_card(state.model_name, state.created)]})
+
+    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @_guarded
+    async def model(model: str) -> JSONResponse:
+        _check_model(state, model)
+        state.metrics.count("ok")
+        return JSONResponse(protocol.model_card(state.model_name, state.created))
+
+    @app.post("/v1/completions", dependencies=auth)
+    @_guarded
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = await _parse(request, protocol.CompletionRequest)
+        _check_model(state, req.model)
+        params = req.sampling(req.max_tokens, protocol.COMPLETION_DEFAULT_MAX_TOKENS)
+        stream = engine.submit(req.prompt, params)
+        return await _answer(request, state, stream, arrival, _Format("text_completion", stream.id,
+                                                                      state.model_name), req)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    @_guarded
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = await _parse(request, protocol.ChatRequest)
+        _check_model(state, req.model)
+        ids = engine.chat_prompt([m.as_dict() for m in req.messages])
+        default = max(1, min(CHAT_DEFAULT_MAX_TOKENS, engine.max_context - len(ids)))
+        params = req.sampling(req.max_new_tokens(), default)
+        stream = engine.submit(ids, params)
+        chat_id = "chatcmpl-" + stream.id.removeprefix("cmpl-")
+        return await _answer(request, state, stream, arrival, _Format("chat.completion", chat_id,
+                                                                      state.model_name), req)
+
+    return app
+
+
+# requests ----------------------------------------------------------------------------------------------------------
+
+
+def _guarded(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Turn an exception nobody expected into a logged 500 with an OpenAI body: no request can take the server
+    down, and the error handlers answer it like any other error."""
+
+    @functools.wraps(handler)
+    async def run(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except (ApiError, RequestError, ValidationError, json.JSONDecodeError):
+            raise
+        except Exception as exc:
+            log.exception("request failed")
+            raise ApiError(500, f"internal error ({type(exc).__name__}); the server logged it", "server_error",
+                           code="internal_error") from exc
+
+    return run
+
+
+async def _parse(request: Request, model: type[protocol.BaseModel]) -> Any:
+    raw = await _read_body(request)
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the body is not UTF-8 text: send a JSON object", code="invalid_json") from None
+    return model.model_validate(data)  # json.JSONDecodeError and ValidationError: the error handlers answer
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused once it passes MAX_BODY_BYTES: a huge upload must not fill the server's memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_large() -> ApiError:
+    return ApiError(413, f"the body is larger than {MAX_BODY_BYTES // 2**20} MiB: no prompt that fits a context is "
+                    "that long; shorten it", code="request_too_large")
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise ApiError(404, f"the model '{name}' does not exist: this server serves '{state.model_name}' (see "
+                       "GET /v1/models)", param="model", code="model_not_found")
+
+
+def _authorizer(state: ServerState) -> Callable[[Request], Awaitable[None]]:
+    async def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken does not tell how much of a guessed key was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' with the key "
+                           "the server was started with (--api-key or LLMEASYQUANT_API_KEY)",
+                           code="invalid_api_key")
+
+    return authorize
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    def answer(request: Request, exc: Exception) -> JSONResponse:
+        error = api_error(exc)
+        if error.status >= 500 and not isinstance(exc, ApiError):
+            log.error("request failed", exc_info=exc)
+        if request.url.path not in UNCOUNTED_PATHS:
+            state.metrics.count("error_5xx" if error.status >= 500 else "error_4xx")
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            message = (f"no endpoint {request.method} {request.url.path}: the API has POST /v1/completions, "
+                       "POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics")
+            error = ApiError(404, message, code="not_found")
+        elif exc.status_code == 405:
+            error = ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                             code="method_not_allowed")
+        else:
+            error = ApiError(exc.status_code, str(exc.detail))
+        return answer(request, error)
+
+    async def handled(request: Request, exc: Exception) -> JSONResponse:
+        return answer(request, exc)
+
+    for kind in (ApiError, RequestError, ValidationError, json.JSONDecodeError, Exception):
+        app.add_exception_handler(kind, handled)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+# answers -----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Format:
+    """The OpenAI bodies of one request: a text completion or a chat completion."""
+
+    object: str  # "text_completion" or "chat.completion"
+    id: str
+    model: str
+    created: int = field(default_factory=protocol.now)
+
+    @property
+    def chat(self) -> bool:
+        return self.object == "chat.completion"
+
+    def body(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+        make = protocol.chat_body if self.chat else protocol.completion_body
+        return make(self.id, self.created, self.model, text, finish_reason, usage)
+
+    def opening(self) -> list[dict[str, Any]]:
+        # OpenAI's first chat chunk names the role; completions have no such chunk.
+        return [protocol.chat_chunk(self.id, self.created, self.model, {"role": "assistant", "content": ""},
+                                    None)] if self.chat else []
+
+    def delta(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            return protocol.chat_chunk(self.id, self.created, self.model, {"content": text} if text else {},
+                                       finish_reason)
+        return protocol.completion_chunk(self.id, self.created, self.model, text, finish_reason)
+
+    def usage(self, usage: dict[str, int]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return protocol.usage_chunk(kind, self.id, self.created, self.model, usage)
+
+
+def _decode_failed() -> ApiError:
+    return ApiError(500, "the engine failed while decoding this request; the server logged why", "server_error",
+                    code="decode_failed")
+
+
+async def _answer(request: Request, state: ServerState, stream: RequestStream, arrival: float, fmt: _Format,
+                  req: protocol.CompletionRequest | protocol.ChatRequest) -> Response:
+    state.metrics.prompt_tokens.inc(stream.prompt_tokens)
+    tracker = RequestTracker(state.metrics, arrival)
+    if req.streaming:
+        events = _sse_events(stream, tracker, fmt, req.include_usage)
+        # The background task also runs when the client left before the first event (the generator never
+        # started, so its own cleanup never ran).
+        return EventSourceResponse(events, sep="\n", ping=SSE_PING_S,
+                                   shutdown_grace_period=state.shutdown_grace_s + SHUTDOWN_MARGIN_S,
+                                   background=BackgroundTask(_abandon, stream, tracker))
+    try:
+        text, last = await _collect(request, stream, tracker)
+    finally:
+        _abandon(stream, tracker)
+    if last.finish_reason == "error":  # answered here, not raised: the tracker has counted it already
+        error = _decode_failed()
+        return JSONResponse(error.body(), status_code=error.status)
+    usage = protocol.usage(stream.prompt_tokens, last.completion_tokens)
+    return JSONResponse(fmt.body(text, last.finish_reason or "stop", usage))
+
+
+def _abandon(stream: RequestStream, tracker: RequestTracker) -> None:
+    """A request whose reader has gone: cancel it if it still runs, and count its outcome (once)."""
+    if tracker.finish_reason is None:
+        log.info("%s: its client went away before it ended; cancelling it", stream.id)
+        stream.cancel()
+    tracker.outcome()
+
+
+async def _collect(request: Request, stream: RequestStream, tracker: RequestTracker) -> tuple[str, TokenEvent]:
+    """Read a request to its end; a client that disconnects first cancels it."""
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, stream))
+    parts, last = [], None
+    try:
+        async for event in stream:
+            tracker.see(event)
+            parts.append(event.text)
+            last = event
+    finally:
+        watcher.cancel()
+    assert last is not None and last.finish_reason is not None  # a stream always ends with a finish reason
+    return "".join(parts), last
+
+
+async def _cancel_on_disconnect(request: Request, stream: RequestStream) -> None:
+    # The body has been read: the next message the server gives is the disconnect (or nothing, until we answer).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            log.info("%s: the client disconnected; cancelling", stream.id)
+            stream.cancel()
+            return
+
+
+def _data(chunk: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))}
+
+
+async def _sse_events(stream: RequestStream, tracker: RequestTracker, fmt: _Format,
+                      include_usage: bool) -> AsyncIterator[dict[str, str]]:
+    """The server-sent events of one stream: chunks as the engine decodes, the finish reason on the last one, the
+    usage after it when asked for, then [DONE]. Cancelled (client gone) or closed early: the request is cancelled."""
+    try:
+        for chunk in fmt.opening():
+            yield _data(chunk)
+        async for event in stream:
+            tracker.see(event)
+            if event.finish_reason == "error":
+                yield _data(_decode_failed().body())
+                break
+            if event.text:
+                yield _data(fmt.delta(event.text))
+            if event.finish_reason is not None:
+                yield _data(fmt.delta("", event.finish_reason))
+        else:
+            if include_usage:
+                yield _data(fmt.usage(protocol.usage(stream.prompt_tokens, tracker.completion_tokens)))
+        yield {"data": "[DONE]"}
+    except Exception:  # the status line is sent: the client learns of the failure from an error event
+        log.exception("%s: the stream failed", stream.id)
+        tracker.outcome("error_5xx")
+        yield _data(error_body("internal error while streaming; the server logged it", "server_error",
+                               code="internal_error"))
+        yield {"data": "[DONE]"}
+    finally:
+        _abandon(stream, tracker)

@@ -1,0 +1,298 @@
+"""The OpenAI wire format: request models for /v1/completions and /v1/chat/completions, and the bodies sent back.
+
+Requests are validated strictly (no string-to-number coercion; unknown fields refused): a field the server cannot
+honour is an error naming it, never silently dropped, unless it changes nothing (`user`, `metadata`, `store`,
+`service_tier`, `parallel_tool_calls`). Extensions beyond OpenAI's fields: `top_k` and `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+from llmeasyquant.runtime.requests import SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def unsupported(field: str, why: str) -> ValueError:
+    return ValueError(f"{field} is not supported by llmeasyquant serve: {why}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """The fields both endpoints share. `None` means OpenAI's default, as clients send nulls for unset fields."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None
+    # Accepted and ignored: none of them changes the text generated.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # OpenAI refuses stream_options on a request that does not stream; so do we.
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise unsupported(f"n={n}", f"one choice per request (n=1); send {n} requests instead")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value not in (None, 0, 0.0):
+            raise unsupported(f"{info.field_name}={value}", "leave it out or send 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise unsupported("logit_bias", "leave it out")
+        return value
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams; `check()` is the engine's range check (it names the field)."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        params = SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos))
+        params.check()
+        return params
+
+
+def one_prompt(prompt: Any) -> str | list[int]:
+    """A string or a list of token ids; a list holding one of those is that one; several prompts are refused."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt is an empty list: send a string or a non-empty list of token ids")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise unsupported("a list of several prompts", f"got {len(prompt)}; send one request per prompt")
+    if len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return one_prompt(prompt[0])
+    raise ValueError("prompt must be a string or a list of integer token ids")
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions. `prompt` is one string or one list of token ids."""
+
+    prompt: Any
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        return one_prompt(prompt)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            raise unsupported("echo", "the response holds the completion only; leave echo out or false")
+        return echo
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None:
+            raise unsupported("logprobs", "leave it out")
+        return logprobs
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise unsupported(f"best_of={best_of}", "only best_of=1; leave it out")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise unsupported("suffix", "insertion is not implemented; leave it out")
+        return suffix
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+    name: str | None = None  # accepted and ignored: chat templates leave it out
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, content: Any) -> str:
+        """A string, or a list of text parts (joined); images, audio and tool calls are refused."""
+        if isinstance(content, str):
+            return content
+        if content is None:
+            raise ValueError("content must be a string (assistant messages with tool calls are not supported)")
+        if not isinstance(content, list):
+            raise ValueError(f"content must be a string or a list of text parts, got {type(content).__name__}")
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise unsupported(f"a content part of type {kind!r}", "only text parts ({'type': 'text', "
+                                  "'text': ...}) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def as_dict(self) -> dict[str, str]:
+        # The "developer" role is OpenAI's new name for "system"; chat templates know "system" only.
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class ChatRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # only means something with tools, which are refused
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise ValueError("messages is empty: send at least one message")
+        return messages
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
+        if logprobs:
+            raise unsupported("logprobs", "leave it out or false")
+        return logprobs
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise unsupported("top_logprobs", "leave it out")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if value:
+            raise unsupported(info.field_name, "tool and function calling are not implemented; leave it out")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, "none"):
+            raise unsupported(info.field_name, "tool and function calling are not implemented; leave it out")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise unsupported("response_format", f"got type {value.get('type')!r}; only {{'type': 'text'}}")
+        return value
+
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) wins over max_tokens (its older one)."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+
+# Response bodies --------------------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def completion_body(id_: str, created: int, model: str, text: str, finish_reason: str,
+                    usage_: dict[str, int]) -> dict[str, Any]:
+    return {"id": id_, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage_}
+
+
+def completion_chunk(id_: str, created: int, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"id": id_, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def chat_body(id_: str, created: int, model: str, text: str, finish_reason: str,
+              usage_: dict[str, int]) -> dict[str, Any]:
+    return {"id": id_, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage_}
+
+
+def chat_chunk(id_: str, created: int, model: str, delta: dict[str, str],
+               finish_reason: str | None) -> dict[str, Any]:
+    return {"id": id_, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def usage_chunk(object_: str, id_: str, created: int, model: str, usage_: dict[str, int]) -> dict[str, Any]:
+    """The last chunk before [DONE] when stream_options.include_usage is true: no choices, only the usage."""
+    return {"id": id_, "object": object_, "created": created, "model": model, "choices": [], "usage": usage_}
+
+
+def model_card(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "llmeasyquant"}
