@@ -1,4 +1,5 @@
-"""llmeasyquant quantize | eval | compare | search | export | bench | report: a thin layer over the Python API."""
+"""llmeasyquant quantize | eval | compare | search | export | bench | report | generate | chat | serve: a thin layer
+over the Python API."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import time
 import torch
 
 from llmeasyquant.cli.bench import add_bench_parser, cmd_bench
+from llmeasyquant.cli.chat import add_chat_parser, cmd_chat
 from llmeasyquant.cli.compare import add_compare_parser, cmd_compare
 from llmeasyquant.cli.evaluate import add_eval_parser, cmd_eval
 from llmeasyquant.cli.export import add_export_parser, cmd_export
+from llmeasyquant.cli.generate import add_generate_parser, cmd_generate
 from llmeasyquant.cli.quantize import add_quantize_parser, cmd_quantize
 from llmeasyquant.cli.report import add_report_parser, cmd_report
 from llmeasyquant.cli.search import add_search_parser, cmd_search
+from llmeasyquant.cli.serve import add_serve_parser, cmd_serve
 from llmeasyquant.errors import LLMEasyQuantError
 
 log = logging.getLogger("llmeasyquant")
@@ -43,11 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_bench_parser(sub)
     add_report_parser(sub)
+    add_generate_parser(sub)
+    add_chat_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "compare": cmd_compare, "search": cmd_search,
-            "export": cmd_export, "bench": cmd_bench, "report": cmd_report}
+            "export": cmd_export, "bench": cmd_bench, "report": cmd_report, "generate": cmd_generate,
+            "chat": cmd_chat, "serve": cmd_serve}
 
 
 DISTRIBUTED_COMMANDS = ("quantize", "eval")

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from llmeasyquant.errors import ConfigError
 from llmeasyquant.scheme import ActMode
+
+if TYPE_CHECKING:
+    from llmeasyquant.runtime.engine import Engine, EngineConfig
+    from llmeasyquant.runtime.requests import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_SCHEMES = "w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym"  # compare's rows without --methods
@@ -100,3 +106,104 @@ def _alpha(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
+
+
+# generate, chat and serve -------------------------------------------------------------------------------------------
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The serving engine's options (runtime/engine.py's EngineConfig), shared by generate, chat and serve."""
+    from llmeasyquant.runtime.engine import EngineConfig
+
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-bits", type=int, choices=(2, 3, 4, 8), help="store the KV cache as SimQuant codes of this "
+                   "many bits (default: a float cache in --kv-dtype, or the quantized cache a checkpoint carries)")
+    g.add_argument("--kv-memory", type=float, default=d.kv_memory_mb, metavar="MB", help="memory for the KV cache "
+                   f"of all running sequences, MiB (default {d.kv_memory_mb:g}); a request is admitted when its "
+                   "prompt and max tokens fit")
+    g.add_argument("--kv-dtype", choices=("float16", "float32"), default=d.kv_dtype,
+                   help=f"storage of a float KV cache (default {d.kv_dtype})")
+    g.add_argument("--max-running", type=int, default=d.max_running, metavar="N",
+                   help=f"sequences decoded together at most (default {d.max_running})")
+    g.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
+                   help=f"requests waiting for a slot at most; more are refused (default {d.max_queue})")
+    g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
+                   help=f"prompt tokens prefilled per step, so long prompts do not stall decoding (default "
+                   f"{d.prefill_chunk})")
+    g.add_argument("--max-context", type=int, metavar="N", help="prompt plus completion tokens per request at most "
+                   "(default: the model's positions, at most 4096)")
+
+
+# The engine names its fields; the user typed options.
+_ENGINE_OPTIONS = {"max_running": "--max-running", "max_queue": "--max-queue", "prefill_chunk": "--prefill-chunk",
+                   "max_context": "--max-context", "the KV memory": "--kv-memory"}
+
+
+def _named_option(exc: ConfigError) -> ConfigError:
+    text = str(exc)
+    for field, option in _ENGINE_OPTIONS.items():
+        text = text.replace(field, option)
+    return ConfigError(text)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine options ask for; a value out of range is a ConfigError naming its option."""
+    from llmeasyquant.runtime.engine import EngineConfig
+
+    try:
+        return EngineConfig(kv_memory_mb=args.kv_memory, kv_bits=args.kv_bits, kv_dtype=args.kv_dtype,
+                            max_running=args.max_running, max_queue=args.max_queue,
+                            prefill_chunk=args.prefill_chunk, max_context=args.max_context,
+                            seed=args.seed if args.seed is not None else 0)
+    except ConfigError as exc:
+        raise _named_option(exc) from None
+
+
+def served_model_name(spec: str) -> str:
+    """A model's name in responses: the folder's name for a checkpoint or model folder, else the spec itself."""
+    path = Path(spec)
+    return path.resolve().name if path.is_dir() else spec
+
+
+def load_engine(args: argparse.Namespace, name: str | None = None) -> Engine:
+    """The engine over args.model with the engine options, its decode thread started."""
+    from llmeasyquant.runtime.engine import Engine
+
+    config = engine_config(args)
+    try:
+        engine = Engine.load(args.model, config, name or served_model_name(args.model))
+    except ConfigError as exc:  # e.g. --max-context past the model's positions
+        raise _named_option(exc) from None
+    engine.start()
+    return engine
+
+
+def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """How generate and chat decode: greedy by default, so a prompt gives the same text on every run."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help=f"tokens generated at most (default {max_new_tokens})")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature in [0, 2]; 0 is greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens holding "
+                   "this probability, in (0, 1] (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    p.add_argument("--seed", type=int, help="seed of the sampling, for the same text again (default 0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the reply where this text appears (not shown); repeatable, up to 4")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+
+
+def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> SamplingParams:
+    """SamplingParams from the sampling options; a value out of range is an error naming its option."""
+    from llmeasyquant.runtime.requests import RequestError, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_new_tokens if max_tokens is None else max_tokens,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    try:
+        params.check()
+    except RequestError as exc:
+        option = {"max_tokens": "--max-new-tokens"}.get(exc.param or "", f"--{(exc.param or '').replace('_', '-')}")
+        raise ConfigError(f"{option}: {exc}") from None
+    return params
