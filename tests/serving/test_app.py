@@ -1,0 +1,355 @@
+"""The HTTP app in-process (Starlette's TestClient) over a real engine on the tiny chat model: the OpenAI bodies,
+streams, every bad input answered with an OpenAI error body (and the server still serving), auth and /metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="pip install -e '.[serve]'")
+
+from fastapi.testclient import TestClient
+
+from llmeasyquant.runtime.engine import Engine, EngineConfig
+from llmeasyquant.runtime.requests import EngineStopped, QueueFull, SamplingParams
+from llmeasyquant.serving.app import build_app
+from serving_helpers import make_chat_folder, metric_samples, requests_by, sse_chunks
+
+pytestmark = pytest.mark.timeout(120)
+
+NAME = "tiny"
+KEY = "sk-test-key"
+PROMPT = "The quick brown fox"
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_chat_folder(tmp_path_factory.mktemp("serving") / "tiny-chat")
+
+
+def make_engine(folder: Path) -> Engine:
+    return Engine.load(str(folder), EngineConfig(kv_memory_mb=4, max_running=4, max_queue=4, prefill_chunk=64,
+                                                 max_context=CONTEXT), NAME)
+
+
+@pytest.fixture(scope="module")
+def engine(folder: Path) -> Iterator[Engine]:
+    engine = make_engine(folder)
+    yield engine
+    engine.shutdown(grace_s=5)
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> Iterator[TestClient]:
+    # The lifespan starts the engine here and shuts it down at the end of the module.
+    with TestClient(build_app(engine, NAME), raise_server_exceptions=False) as client:
+        yield client
+
+
+def completion(prompt: object = PROMPT, **fields: object) -> dict:
+    return {"model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0} | fields
+
+
+def chat(content: str = "hello there", **fields: object) -> dict:
+    return {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+            "temperature": 0} | fields
+
+
+# answers ---------------------------------------------------------------------------------------------------------
+
+
+def test_completion_is_the_engines_greedy_text_with_usage(client: TestClient, engine: Engine) -> None:
+    response = client.post("/v1/completions", json=completion())
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == NAME and body["id"].startswith("cmpl-")
+    [choice] = body["choices"]
+    alone = engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))
+    assert choice["text"] == alone.text
+    assert choice["finish_reason"] == alone.finish_reason
+    usage = body["usage"]
+    assert usage == {"prompt_tokens": alone.prompt_tokens, "completion_tokens": alone.completion_tokens,
+                     "total_tokens": alone.prompt_tokens + alone.completion_tokens}
+
+
+def test_a_prompt_of_token_ids_and_a_list_holding_one_prompt(client: TestClient, engine: Engine) -> None:
+    ids = engine.tokenizer(PROMPT)["input_ids"]
+    by_ids = client.post("/v1/completions", json=completion(ids)).json()
+    by_text = client.post("/v1/completions", json=completion([PROMPT])).json()
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert by_ids["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_chat_completion_applies_the_template(client: TestClient, engine: Engine) -> None:
+    response = client.post("/v1/chat/completions", json=chat(max_completion_tokens=6, max_tokens=None))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    [choice] = body["choices"]
+    assert choice["message"]["role"] == "assistant"
+    ids = engine.chat_prompt([{"role": "user", "content": "hello there"}])
+    alone = engine.generate(ids, SamplingParams(max_tokens=6, temperature=0.0))
+    assert choice["message"]["content"] == alone.text
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["usage"]["completion_tokens"] == alone.completion_tokens <= 6
+
+
+def test_stream_chunks_add_up_to_the_whole_answer(client: TestClient) -> None:
+    whole = client.post("/v1/completions", json=completion(max_tokens=12)).json()
+    response = client.post("/v1/completions", json=completion(max_tokens=12, stream=True))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    chunks, last = sse_chunks(response.text)
+    assert last == "[DONE]"
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_stream_usage_comes_last_when_asked_for(client: TestClient) -> None:
+    whole = client.post("/v1/chat/completions", json=chat()).json()
+    response = client.post("/v1/chat/completions",
+                           json=chat(stream=True, stream_options={"include_usage": True}))
+    chunks, last = sse_chunks(response.text)
+    assert last == "[DONE]"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    *answer, usage = chunks
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in answer) == \
+        whole["choices"][0]["message"]["content"]
+    assert answer[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+def test_models_health_and_the_model_card(client: TestClient) -> None:
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [NAME] and models["object"] == "list"
+    assert client.get(f"/v1/models/{NAME}").json()["id"] == NAME
+    missing = client.get("/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["model"] == NAME
+
+
+# bad input -------------------------------------------------------------------------------------------------------
+
+TOO_LONG = " ".join(["the quick brown fox"] * 200)
+BAD = [  # (endpoint, body, status, param, code or None to skip, words the message holds)
+    ("completions", completion(max_tokens=0), 400, "max_tokens", None, "max_tokens"),
+    ("completions", completion(max_tokens=-3), 400, "max_tokens", None, "max_tokens"),
+    ("completions", completion(max_tokens=CONTEXT), 400, "max_tokens", "context_length_exceeded", "context"),
+    ("completions", completion(TOO_LONG), 400, "prompt", "context_length_exceeded", "prompt"),
+    ("completions", completion(temperature=2.5), 400, "temperature", None, "[0, 2]"),
+    ("completions", completion(temperature=-0.1), 400, "temperature", None, "[0, 2]"),
+    ("completions", completion(top_p=0), 400, "top_p", None, "(0, 1]"),
+    ("completions", completion(top_p=1.5), 400, "top_p", None, "(0, 1]"),
+    ("completions", completion(n=2), 400, "n", "unsupported", "n=1"),
+    ("completions", completion(max_tokens="8"), 400, "max_tokens", "int_type", "integer"),
+    ("completions", completion(temperature="hot"), 400, "temperature", "float_type", "number"),
+    ("completions", completion(stream="yes"), 400, "stream", "bool_type", "boolean"),
+    ("completions", {"prompt": PROMPT}, 400, "model", "missing", "model"),
+    ("completions", {"model": NAME}, 400, "prompt", "missing", "prompt"),
+    ("completions", completion(model="gpt-4"), 404, "model", "model_not_found", "gpt-4"),
+    ("completions", completion(["one", "two"]), 400, "prompt", "unsupported", "one request per prompt"),
+    ("completions", completion([]), 400, "prompt", None, "empty"),
+    ("completions", completion(12), 400, "prompt", None, "string"),
+    ("completions", completion([5, 999_999]), 400, "prompt", None, "vocabulary"),
+    ("completions", completion(echo=True), 400, "echo", "unsupported", "echo"),
+    ("completions", completion(logprobs=2), 400, "logprobs", "unsupported", "logprobs"),
+    ("completions", completion(best_of=3), 400, "best_of", "unsupported", "best_of"),
+    ("completions", completion(suffix="!"), 400, "suffix", "unsupported", "suffix"),
+    ("completions", completion(presence_penalty=0.5), 400, "presence_penalty", "unsupported", "presence_penalty"),
+    ("completions", completion(stop=["a", "b", "c", "d", "e"]), 400, "stop", None, "4"),
+    ("completions", completion(stream_options={"include_usage": True}), 400, "stream_options", None, "stream"),
+    ("completions", completion(repetition_penalty=1.2), 400, "repetition_penalty", "extra_forbidden",
+     "unrecognized"),
+    ("chat/completions", chat(messages=[]), 400, "messages", None, "at least one"),
+    ("chat/completions", chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role",
+     "literal_error", "'user'"),
+    ("chat/completions", chat(messages=[{"role": "user"}]), 400, "messages.0.content", "missing", "content"),
+    ("chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "messages.0.content", "unsupported", "image_url"),
+    ("chat/completions", chat(messages="hello"), 400, "messages", "list_type", "list"),
+    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+     "unsupported", "tools"),
+    ("chat/completions", chat(logprobs=True), 400, "logprobs", "unsupported", "logprobs"),
+    ("chat/completions", chat(response_format={"type": "json_object"}), 400, "response_format", "unsupported",
+     "json_object"),
+    ("chat/completions", chat(n=3), 400, "n", "unsupported", "n=1"),
+    ("chat/completions", chat(max_tokens=0), 400, "max_tokens", None, "max_tokens"),
+    ("chat/completions", chat(TOO_LONG), 400, "prompt", "context_length_exceeded", "prompt"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "param", "code", "words"), BAD,
+                         ids=[f"{e}-{p}-{i}" for i, (e, _, _, p, *_) in enumerate(BAD)])
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(client: TestClient, endpoint: str, body: dict,
+                                                                 status: int, param: str, code: str | None,
+                                                                 words: str) -> None:
+    response = client.post(f"/v1/{endpoint}", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    assert words in error["message"]
+    assert client.post("/v1/completions", json=completion(max_tokens=2)).status_code == 200
+
+
+@pytest.mark.parametrize(("raw", "words"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object"),
+                                            (b"", "not valid JSON"), (b"\xff\xfe{", "JSON")])
+def test_a_body_that_is_no_json_object(client: TestClient, raw: bytes, words: str) -> None:
+    response = client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert words in response.json()["error"]["message"]
+
+
+def test_a_body_past_the_limit_is_413(client: TestClient) -> None:
+    from llmeasyquant.serving.app import MAX_BODY_BYTES
+
+    response = client.post("/v1/completions", json=completion("x" * MAX_BODY_BYTES))
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+def test_developer_is_system_and_text_parts_join(client: TestClient) -> None:
+    as_system = client.post("/v1/chat/completions", json=chat(messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}])).json()
+    as_developer = client.post("/v1/chat/completions", json=chat(messages=[
+        {"role": "developer", "content": "Be brief.", "name": "ops"},
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}],
+        user="someone")).json()
+    assert as_developer["choices"] == as_system["choices"] and as_developer["usage"] == as_system["usage"]
+
+
+def test_unknown_paths_and_methods_answer_openai_errors(client: TestClient) -> None:
+    missing = client.get("/v1/engines")
+    assert missing.status_code == 404 and "/v1/completions" in missing.json()["error"]["message"]
+    wrong = client.get("/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_queue_full_is_429_with_retry_after(client: TestClient, engine: Engine,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*_: object) -> None:
+        raise QueueFull("4 requests are running and 4 waiting; retry later", retry_after_s=2.5)
+
+    monkeypatch.setattr(engine, "submit", full)
+    response = client.post("/v1/completions", json=completion())
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == "3"
+    assert response.json()["error"]["code"] == "queue_full"
+
+
+def test_a_stopped_engine_is_503(client: TestClient, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def stopped(*_: object) -> None:
+        raise EngineStopped("the server is shutting down and takes no new request")
+
+    monkeypatch.setattr(engine, "submit", stopped)
+    response = client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
+
+
+def test_an_unexpected_failure_is_a_500_and_the_server_goes_on(client: TestClient, engine: Engine,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "chat_prompt", broken)
+    response = client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error" and "RuntimeError" in response.json()["error"]["message"]
+    monkeypatch.undo()
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_a_tokenizer_without_chat_template_refuses_chat(client: TestClient, engine: Engine,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.tokenizer, "chat_template", None)
+    response = client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+
+
+# metrics ---------------------------------------------------------------------------------------------------------
+
+
+def test_metrics_count_requests_tokens_and_the_kv_cache(client: TestClient, engine: Engine) -> None:
+    before = metric_samples(client.get("/metrics").text)
+    ok = client.post("/v1/completions", json=completion(max_tokens=5, ignore_eos=True)).json()
+    client.post("/v1/completions", json=completion(max_tokens=5, ignore_eos=True, stream=True))
+    client.post("/v1/completions", json=completion(temperature=9))
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    after = metric_samples(response.text)
+    assert requests_by(after, "ok") - requests_by(before, "ok") == 2
+    assert requests_by(after, "error_4xx") - requests_by(before, "error_4xx") == 1
+    assert requests_by(after, "cancelled") == requests_by(before, "cancelled")
+    tokens = ok["usage"]
+    assert after["llmeasyquant_prompt_tokens_total", ()] - before["llmeasyquant_prompt_tokens_total", ()] == \
+        2 * tokens["prompt_tokens"]
+    assert after["llmeasyquant_generation_tokens_total", ()] - \
+        before["llmeasyquant_generation_tokens_total", ()] == 2 * tokens["completion_tokens"] == 10
+    ttft = "llmeasyquant_time_to_first_token_seconds_count", ()
+    itl = "llmeasyquant_inter_token_latency_seconds_count", ()
+    assert after[ttft] - before[ttft] == 2
+    assert after[itl] - before[itl] == 2 * 4
+    stats = engine.stats()
+    assert after["llmeasyquant_kv_cache_used_bytes", ()] == 0 == stats.kv_bytes_used
+    assert after["llmeasyquant_kv_cache_free_bytes", ()] == stats.kv_bytes_total > 0
+    assert after["llmeasyquant_kv_capacity_sequences", ()] == engine.kv_capacity(1024)
+    assert after["llmeasyquant_queue_depth", ()] == 0 and after["llmeasyquant_running_sequences", ()] == 0
+    assert after["llmeasyquant_kv_cache_blocks_total", ()] == stats.blocks_total
+    for outcome in ("ok", "error_4xx", "error_5xx", "cancelled", "shutdown"):
+        assert ("llmeasyquant_requests_total", (("outcome", outcome),)) in after
+
+
+# auth and the lifespan ---------------------------------------------------------------------------------------------
+
+
+def test_api_key_guards_every_endpoint_but_health(folder: Path) -> None:
+    engine = make_engine(folder)
+    with TestClient(build_app(engine, NAME, api_key=KEY)) as client:
+        for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                             ("POST", "/v1/chat/completions")]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                response = client.request(method, path, headers=headers, json=completion())
+                assert response.status_code == 401, (path, headers)
+                error = response.json()["error"]
+                assert error["code"] == "invalid_api_key" and "Authorization: Bearer" in error["message"]
+                assert KEY not in response.text
+        assert client.get("/health").status_code == 200
+        good = {"Authorization": f"Bearer {KEY}"}
+        assert client.get("/v1/models", headers=good).status_code == 200
+        assert client.post("/v1/completions", headers=good, json=completion()).status_code == 200
+        samples = metric_samples(client.get("/metrics", headers=good).text)
+        assert requests_by(samples, "error_4xx") == 9  # /metrics is not counted
+    assert not engine.stats().accepting  # the lifespan shut it down
+
+
+def test_the_lifespan_shutdown_stops_the_engine(folder: Path) -> None:
+    engine = make_engine(folder)
+    with TestClient(build_app(engine, NAME, shutdown_grace_s=1.0)) as client:
+        assert client.get("/health").json()["status"] == "ok"
+    assert not engine.stats().accepting
+    with TestClient(build_app(engine, NAME)) as client:
+        assert client.get("/health").status_code == 503
+        response = client.post("/v1/completions", json=completion())
+        assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
+
+
+def test_import_llmeasyquant_needs_no_server_package() -> None:
+    """`import llmeasyquant` and the CLI's parser load none of the serve extra's packages."""
+    code = ("import json, sys, llmeasyquant; from llmeasyquant.cli.main import build_parser; build_parser(); "
+            "print(json.dumps([n for n in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client') "
+            "if n in sys.modules]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
