@@ -231,6 +231,7 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(SCHEMES))
     parser.add_argument("--kv", default="float,4", help="KV caches of our server: float (fp16) and/or bit widths")
     parser.add_argument("--kv-memory", type=float, default=512.0, help="MiB of KV cache for our server")
+    parser.add_argument("--prefill-chunk", type=int, help="our server's --prefill-chunk (default: its own)")
     parser.add_argument("--llama-server", help="path of llama.cpp's llama-server binary (omit: no peer rows)")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "serving", help="checkpoints are made here")
@@ -247,6 +248,8 @@ def main() -> int:
         for kv in args.kv.split(","):
             port = free_port()
             cache = [] if kv == "float" else ["--kv-bits", kv]
+            if args.prefill_chunk:
+                cache += ["--prefill-chunk", str(args.prefill_chunk)]
             command = [*ours, target, "--port", str(port), "--kv-memory", str(args.kv_memory),
                        "--max-running", str(max(levels)), "--served-model-name", "m", *cache]
             kv_name = "fp16 KV" if kv == "float" else f"{kv}-bit KV"
@@ -263,7 +266,7 @@ def main() -> int:
     print(markdown_table(rows, COLUMNS))
     protocol = {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True,
                 "requests_per_level": "max(2 x clients, 8)", "threads": 2, "text": "WikiText-2 raw test (shipped)",
-                "kv_memory_mb": args.kv_memory, "kv_capacity_1024_tokens": kv_capacity(args.kv_memory)}
+                "kv_memory_mb": args.kv_memory, "prefill_chunk": args.prefill_chunk or "server default", "kv_capacity_1024_tokens": kv_capacity(args.kv_memory)}
     command = " ".join(["python", "benchmarks/serving.py", *sys.argv[1:]])
     write_records(args.out, [Record.new("serving", row["server"], row, protocol, command) for row in rows])
     print(f"wrote {args.out}")
