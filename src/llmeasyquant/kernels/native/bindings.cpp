@@ -1,10 +1,11 @@
-// The Python module of the native operators (kernels/native.py builds it from this file, decoder_ops.cpp and
-// matmul_kernels.cpp). PYBIND11_MODULE defines the module's one init function, so the registration is a single
+// The Python module of the native operators (kernels/native.py builds it from this file, decoder_ops.cpp,
+// matmul_kernels.cpp and paged_ops.cpp). PYBIND11_MODULE defines the module's one init function, so the registration is a single
 // block in a file of its own: neither half owns it, and every name Python calls is listed here.
 
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 // ==== decoder operators (decoder_ops.cpp) ====
 
@@ -42,6 +43,38 @@ at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, c
 at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& zeros, int64_t group_size);
 
+// ==== paged KV pool (paged_ops.cpp) ====
+
+// qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, key_pool, value_pool: [N, kv_heads, B,
+// dim] fp32 or fp16 (written in place), slots: [rows] int64, q_norm, k_norm: [dim] fp32 or absent
+// -> q: [rows, heads, dim] fp32
+at::Tensor paged_rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                            at::Tensor key_pool, at::Tensor value_pool, const at::Tensor& slots_in, int64_t heads,
+                            const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                            double q_eps, double k_eps);
+// q: [rows, heads, dim] fp32, key_pool, value_pool: [N, kv_heads, B, dim] fp32 or fp16, tables: [S, M] int32,
+// row_seq, lengths: [rows] int64 -> [rows, heads * dim] fp32
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                           const at::Tensor& tables_in, const at::Tensor& row_seq_in, const at::Tensor& lengths_in,
+                           double scale);
+// qkv, cos, sin as paged_rope_store, pool: the quantized pool's 11 tensors (written in place), slots, row_seq,
+// positions: [rows] int64 -> q: [rows, heads, dim] fp32
+at::Tensor quant_rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                            const std::vector<at::Tensor>& pool, const at::Tensor& slots_in,
+                            const at::Tensor& row_seq_in, const at::Tensor& positions_in, int64_t heads,
+                            const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                            double q_eps, double k_eps, int64_t bits, int64_t sinks);
+// q: [rows, heads, dim] fp32, pool: the 11 tensors, tables: [S, M] int32, row_seq, lengths: [rows] int64,
+// cos_table, sin_table: [max_positions, dim] fp32 -> [rows, heads * dim] fp32
+at::Tensor quant_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& pool, const at::Tensor& tables_in,
+                           const at::Tensor& row_seq_in, const at::Tensor& lengths_in, const at::Tensor& cos_in,
+                           const at::Tensor& sin_in, int64_t bits, int64_t sinks, double scale);
+// pool: the 11 tensors, table: [M] int32, cos_table, sin_table: [max_positions, dim] fp32
+// -> (keys, values): [kv_heads, length, dim] fp32
+std::tuple<at::Tensor, at::Tensor> quant_gather(const std::vector<at::Tensor>& pool, const at::Tensor& table_in,
+                                                int64_t seq, int64_t length, const at::Tensor& cos_in,
+                                                const at::Tensor& sin_in, int64_t bits, int64_t sinks);
+
 // ==== registration ====
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -56,4 +89,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("quantize_rows", &quantize_rows);
   m.def("dequantize_rows", &dequantize_rows);
+  m.def("paged_rope_store", &paged_rope_store);
+  m.def("paged_attention", &paged_attention);
+  m.def("quant_rope_store", &quant_rope_store);
+  m.def("quant_attention", &quant_attention);
+  m.def("quant_gather", &quant_gather);
 }
