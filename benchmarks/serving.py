@@ -266,7 +266,8 @@ def main() -> int:
     print(markdown_table(rows, COLUMNS))
     protocol = {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True,
                 "requests_per_level": "max(2 x clients, 8)", "threads": 2, "text": "WikiText-2 raw test (shipped)",
-                "kv_memory_mb": args.kv_memory, "prefill_chunk": args.prefill_chunk or "server default", "kv_capacity_1024_tokens": kv_capacity(args.kv_memory)}
+                "kv_memory_mb": args.kv_memory, "prefill_chunk": args.prefill_chunk or "server default",
+                "kv_capacity_1024_tokens": kv_capacity(args.kv_memory)}
     command = " ".join(["python", "benchmarks/serving.py", *sys.argv[1:]])
     write_records(args.out, [Record.new("serving", row["server"], row, protocol, command) for row in rows])
     print(f"wrote {args.out}")
