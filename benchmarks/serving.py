@@ -7,7 +7,7 @@ llama.cpp's `llama-server` on the same machine, and transformers' `generate` one
 Protocol: SmolLM2-135M-Instruct (the bundled model). Prompts are 128-token windows cut one after another from
 WikiText-2 raw test (shipped), sent as token ids to /v1/completions with `stream: true`, 128 greedy tokens each
 with end-of-sequence ignored. At each level, N clients each send requests back to back until the level's fixed
-number of requests (max(2N, 8)) is done; one warm-up request precedes the levels. Measured at the client:
+number of requests (max(N, 4)) is done; one warm-up request precedes the levels. Measured at the client:
 aggregate output tokens/s (all tokens over the level's wall time), requests/s, time to first token and
 inter-token latency (between consecutive streamed chunks) at p50 and p99, and the server's peak RSS (VmHWM) at the
 end. Every server gets 2 threads and listens on 127.0.0.1. Our checkpoints are quantized with RTN (weights, with
@@ -173,7 +173,7 @@ def measure(name: str, command: list[str], port: int, model: str, levels: list[i
     try:
         asyncio.run(level(port, model, 1, 1, texts))  # warm-up: kernel choices, first-use builds
         for clients in levels:
-            row = asyncio.run(level(port, model, clients, max(2 * clients, 8), texts))
+            row = asyncio.run(level(port, model, clients, max(clients, 4), texts))
             row |= {"server": name, "peak_rss_mb": server.peak_rss_mb()}
             print(f"   {clients:3d} clients: {row['output_tok_s']:.1f} tok/s, ITL p50 {row['itl_p50_ms']:.1f} ms "
                   f"p99 {row['itl_p99_ms']:.1f} ms", flush=True)
@@ -265,7 +265,7 @@ def main() -> int:
         rows.append(transformers_row(texts, 4))
     print(markdown_table(rows, COLUMNS))
     protocol = {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True,
-                "requests_per_level": "max(2 x clients, 8)", "threads": 2, "text": "WikiText-2 raw test (shipped)",
+                "requests_per_level": "max(clients, 4)", "threads": 2, "text": "WikiText-2 raw test (shipped)",
                 "kv_memory_mb": args.kv_memory, "prefill_chunk": args.prefill_chunk or "server default",
                 "kv_capacity_1024_tokens": kv_capacity(args.kv_memory)}
     command = " ".join(["python", "benchmarks/serving.py", *sys.argv[1:]])

@@ -129,3 +129,9 @@ def test_unsupported_family_and_window(tiny_gpt2):
         LeanDecoder(windowed, 16)
     with pytest.raises(ValueError, match="max_tokens"):
         LeanDecoder(family_model("llama"), 0)
+
+
+def test_a_batch_of_prompts_is_refused_not_joined():
+    model = family_model("llama")
+    with pytest.raises(ValueError, match="one sequence"):
+        LeanDecoder(model, 64).generate(torch.randint(0, 256, (2, 8)), 4)

@@ -14,6 +14,7 @@ from llmeasyquant import LeanDecoder
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.nn.kv.config import KVQuantConfig
+from llmeasyquant.plan import Plan, Rule
 from llmeasyquant.runtime.engine import Engine, EngineConfig
 from llmeasyquant.runtime.kv_pool import FloatPool, QuantPool, Shape
 from llmeasyquant.runtime.requests import EngineStopped, QueueFull, RequestError, SamplingParams
@@ -63,10 +64,14 @@ def test_batched_greedy_equals_the_lean_decoder(engine_for, family):
         assert tokens == alone
 
 
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a16-g32", "w8a16"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16-g32", "w8a16", "w8a8+head"])
 def test_eight_in_a_batch_equal_each_alone_on_the_reference_kernel(engine_for, monkeypatch, scheme):
     monkeypatch.setenv("LLMEASYQUANT_KERNEL", "reference")
-    model = lq.quantize(lively(), RTN(), parse_scheme(scheme), progress=False)
+    body, _, head = scheme.partition("+")
+    plan = Plan.uniform(parse_scheme(body))
+    if head:  # the LM head at W8A16 too, as `quantize --lm-head w8a16` does
+        plan = Plan((Rule("lm_head", parse_scheme("w8a16")), *plan.rules))
+    model = lq.quantize(lively(), RTN(), plan, progress=False)
     batch = prompts(8)
     together = run_all(engine_for(model), batch)
     alone = [run_all(engine_for(model), [p])[0] for p in batch]
