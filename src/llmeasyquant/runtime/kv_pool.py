@@ -17,6 +17,7 @@ incomplete key block. Tensors are allocated with torch.empty, so memory the pool
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -172,6 +173,7 @@ class QuantPool(KVPool):
     def __init__(self, shape: Shape, budget_bytes: int, max_running: int, max_context: int, config: KVQuantConfig,
                  cos: torch.Tensor, sin: torch.Tensor) -> None:
         check_servable(config)
+        config = dataclasses.replace(config, key_channels=0)  # calibrated fp16 key channels are not kept here
         if config.key_bits != config.value_bits:
             raise ConfigError("the serving KV pool codes keys and values with the same bits; give one --kv-bits")
         self.config, self.bits, self.sinks = config, config.key_bits, config.sinks
