@@ -3,6 +3,7 @@ cancellation, stop strings, sampling and shutdown."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -216,6 +217,15 @@ def test_shutdown_ends_running_and_waiting_requests(engine_for):
     assert [e.finish_reason for e in waiting][-1] == "shutdown"
     with pytest.raises(EngineStopped):
         engine.submit([5], GREEDY)
+
+
+def test_a_running_engine_keeps_the_collector_off_what_existed_before_it(engine_for):
+    gc.unfreeze()
+    engine = engine_for(lively())
+    run_all(engine, prompts(1))  # starts the loop
+    assert gc.get_freeze_count() > 0, "the model and pool should be frozen out of the collector while serving"
+    engine.shutdown(grace_s=5)
+    assert gc.get_freeze_count() == 0, "shutdown should hand what was frozen back to the collector"
 
 
 def test_chat_prompt_needs_a_template_and_wellformed_messages(engine_for):

@@ -39,15 +39,18 @@ SOURCES = tuple(NATIVE / name for name in ("decoder_ops.cpp", "matmul_kernels.cp
 # torch.backends.cpu.get_cpu_capability() -> instruction-set flags; CPU_CAPABILITY_* selects the width of ATen's
 # Vectorized<float>, which the operators use (and its exp, which PyTorch's own kernels use too).
 _FLAGS_BY_CAPABILITY = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX512"],
-    # -mf16c: ATen's Half conversions use the F16C instructions under AVX2 (every AVX2 CPU has them).
+    # -mf16c: ATen's scalar Half conversions use the F16C instructions only where it is given (-mavx512f does not
+    # imply it); without it every scalar fp16 read is some 15 integer operations. Every AVX2 CPU has F16C.
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
 }
 
 
 def source_digest() -> str:
-    """The build's key: a digest of the name and content of every source and header under native/."""
-    digest = hashlib.sha256()
+    """The build's key: a digest of the compiler flags and of the name and content of every source and header under
+    native/."""
+    digest = hashlib.sha256(repr(sorted(_FLAGS_BY_CAPABILITY.items())).encode())
     for path in sorted(p for p in NATIVE.iterdir() if p.suffix in {".cpp", ".h"}):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]

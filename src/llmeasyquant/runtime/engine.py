@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import threading
@@ -303,6 +304,10 @@ class Engine:
     def start(self) -> None:
         with self._lock:
             if self._thread is None:
+                # What exists now (the model's modules and parameters, the pool's tensors, the interpreter's own
+                # objects) lives as long as the engine: frozen, it is no longer scanned by the collections that
+                # each step's short-lived objects trigger (they took 15-20% of a decode step); shutdown unfreezes.
+                gc.freeze()
                 self._thread = threading.Thread(target=self._loop, name="llmeasyquant-engine", daemon=True)
                 self._thread.start()
 
@@ -317,6 +322,7 @@ class Engine:
             thread = self._thread
         if thread is not None:
             thread.join(timeout=grace_s + 30.0)
+            gc.unfreeze()  # what start froze can be collected again once it is garbage (a process of many engines)
 
     def _loop(self) -> None:
         while True:
