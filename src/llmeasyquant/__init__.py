@@ -16,7 +16,7 @@ from llmeasyquant.export.checkpoint import load, save
 from llmeasyquant.export.formats import export
 from llmeasyquant.jobs.compare import CompareSpec, compare
 from llmeasyquant.jobs.evaluate import evaluate
-from llmeasyquant.methods import AWQ, GPTQ, RTN, SmoothQuant, ZeroQuant
+from llmeasyquant.methods import AWQ, GPTQ, RTN, Rotate, SmoothQuant, ZeroQuant
 from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.load import load_model
 from llmeasyquant.nn.fused import fuse_shared_inputs
@@ -77,6 +77,7 @@ __all__ = [
     "QuantScheme",
     "QuantizedKVCache",
     "Record",
+    "Rotate",
     "Rule",
     "SimQuant",
     "SmoothQuant",

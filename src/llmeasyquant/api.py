@@ -13,7 +13,7 @@ from torch import nn
 
 from llmeasyquant.calibration.sequential import BlockReport, run_sequential
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.methods.base import CacheMethod, Method, Quantizer, Step, Transform, rtn_quant_linear
+from llmeasyquant.methods.base import CacheMethod, Method, ModelTransform, Quantizer, Step, Transform, rtn_quant_linear
 from llmeasyquant.models.arch import arch_for, get_module, set_module
 from llmeasyquant.models.streaming import BlockStreamer
 from llmeasyquant.nn.kv.cache import KVCacheSpec
@@ -56,8 +56,10 @@ def _check_recipe(recipe: Sequence[Method]) -> None:
 
 
 def default_scheme(recipe: Sequence[Step]) -> QuantScheme:
-    """The scheme a recipe is made for: its first method's (`smoothquant+gptq` -> W8A8, `awq+gptq` -> W4A16 g128)."""
-    return parse_scheme(_split_recipe(recipe)[0][0].default_scheme)
+    """The scheme a recipe is made for: its first method's (`smoothquant+gptq` -> W8A8, `awq+gptq` -> W4A16 g128),
+    a rotation not counted (`rotate+smoothquant` -> W8A8)."""
+    methods = _split_recipe(recipe)[0]
+    return parse_scheme(next((m for m in methods if not isinstance(m, ModelTransform)), methods[0]).default_scheme)
 
 
 def round_unquantized_to_fp16(model: nn.Module) -> None:
@@ -101,6 +103,12 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
     if not resolved:
         raise ConfigError("the plan selects no linear layer of this model; check its patterns")
     start = time.perf_counter()
+    for step in recipe:  # whole-model rewrites (a rotation) come before any block is calibrated
+        if isinstance(step, ModelTransform):
+            if stream is not None:
+                raise ConfigError(f"{step.name} rewrites the whole model at once, which --stream never holds; "
+                                  "quantize without --stream")
+            step.apply_model(model, arch)
     # Calibration ids that only the KV cache needs skip the runner's per-block passes (RTN weights need none).
     weights_need = any(m.needs_calibration for m in recipe) or any(s.static_act for s in resolved.values())
     reports = run_sequential(model, recipe, resolved, calib if weights_need or kv_method is None else None, progress,

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_SCHEMES = "w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym"  # compare's rows without --methods
-METHOD_HELP = "rtn, gptq, awq, smoothquant, zeroquant, or a recipe such as awq+gptq or smoothquant+gptq (default rtn)"
+METHOD_HELP = ("rtn, gptq, awq, smoothquant, zeroquant, rotate (a rotation of the residual stream, first), or a recipe "
+               "such as awq+gptq, smoothquant+gptq or rotate+gptq (default rtn)")
 
 
 def add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:
@@ -97,6 +98,8 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lkd-inputs", choices=("float", "quantized"),
                    help="ZeroQuant: distil on the unquantized model's activations (default, the paper) or the "
                    "quantized model's")
+    p.add_argument("--rotation-seed", type=int,
+                   help="rotate: the seed of the residual stream's rotation (default 0; see docs/methods.md)")
 
 
 def _alpha(text: str) -> float | str:

@@ -6,14 +6,15 @@ import dataclasses
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.awq import AWQ
-from llmeasyquant.methods.base import BlockContext, CacheMethod, Method, Quantizer, Step, Transform
+from llmeasyquant.methods.base import BlockContext, CacheMethod, Method, ModelTransform, Quantizer, Step, Transform
 from llmeasyquant.methods.gptq import GPTQ
+from llmeasyquant.methods.rotate import Rotate
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.smoothquant import SmoothQuant
 from llmeasyquant.methods.zeroquant import ZeroQuant
 
 METHODS: dict[str, type[Method]] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ,
-                                  "zeroquant": ZeroQuant}
+                                  "zeroquant": ZeroQuant, "rotate": Rotate}
 
 
 def _method_class(name: str) -> type[Method]:
@@ -56,5 +57,5 @@ def recipe_by_name(spec: str, strict: bool = True, **options: object) -> list[Me
     return recipe
 
 
-__all__ = ["AWQ", "GPTQ", "METHODS", "RTN", "BlockContext", "CacheMethod", "Method", "Quantizer", "SmoothQuant",
-           "Step", "Transform", "ZeroQuant", "method_by_name", "recipe_by_name"]
+__all__ = ["AWQ", "GPTQ", "METHODS", "RTN", "BlockContext", "CacheMethod", "Method", "ModelTransform", "Quantizer",
+           "Rotate", "SmoothQuant", "Step", "Transform", "ZeroQuant", "method_by_name", "recipe_by_name"]

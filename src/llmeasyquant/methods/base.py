@@ -1,7 +1,8 @@
 """What a method is: a frozen dataclass subclassing one of the recipe step types below.
 
 A recipe is `Transform`s, then exactly one `Quantizer` (both work on one block at a time), plus at most one
-`CacheMethod` for the KV cache; `quantize()` tells them apart by type.
+`CacheMethod` for the KV cache; `quantize()` tells them apart by type. A `ModelTransform` (a rotation) is a
+transform that rewrites the whole model once before the blocks are calibrated.
 """
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ class Method(ABC):
 
 class Transform(Method):
     """Rewrites a block's float weights and keeps them float (SmoothQuant, AWQ); a recipe's transforms come first."""
+
+
+class ModelTransform(Transform):
+    """Rewrites the whole float model once, before any block is calibrated (a rotation of the residual stream:
+    embeddings, every block and the head change together). Its per-block `apply` does nothing."""
+
+    needs_calibration: ClassVar[bool] = False
+    input_stats: ClassVar[frozenset[str]] = frozenset()
+    float_path: ClassVar[bool] = False
+
+    @abstractmethod
+    def apply_model(self, model: nn.Module, arch: ArchSpec) -> None: ...
+
+    def apply(self, block: nn.Module, ctx: BlockContext) -> None:
+        return None
 
 
 class Quantizer(Method):

@@ -59,6 +59,17 @@ class GGUFSpec:
 
 
 @dataclass(frozen=True)
+class RotationSpec:
+    """Where a rotation of the residual stream (methods/rotate.py) enters and leaves a block: `readers` are the
+    RMSNorms that read the stream with the linears each feeds (the norm's weight is folded into them, then they read
+    the rotated stream), `writers` the linears whose outputs are added to it. Only families whose norms are
+    RMSNorms have one: a LayerNorm subtracts the mean, which does not commute with a rotation."""
+
+    readers: tuple[tuple[str, tuple[str, ...]], ...]
+    writers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     family: str
     blocks: str  # the ModuleList of transformer blocks
@@ -75,6 +86,8 @@ class ArchSpec:
     decoder: DecoderSpec | None = None
     # llama.cpp's names for the family's tensors; None where GGUF export does not cover it.
     gguf: GGUFSpec | None = None
+    # Where a rotation of the residual stream is folded in; None where the family cannot be rotated.
+    rotation: RotationSpec | None = None
 
 
 _LLAMA_LIKE = dict(
@@ -91,6 +104,11 @@ _LLAMA_LIKE = dict(
         ("mlp.up_proj", ("mlp.down_proj",)),
     ),
     rotary_embedding="model.rotary_emb",
+    rotation=RotationSpec(
+        readers=(("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                 ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
+        writers=("self_attn.o_proj", "mlp.down_proj"),
+    ),
 )
 _LLAMA_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LLAMA_GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

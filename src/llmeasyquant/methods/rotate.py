@@ -1,0 +1,132 @@
+"""Rotate: an orthogonal rotation of the residual stream folded into the weights (QuaRot's and SpinQuant's first
+step), so that the outlier channels of the hidden states are spread over all channels before anything is quantized.
+
+The model computes the same function in float. With Q orthogonal [hidden, hidden] and the hidden state h (a row)
+replaced by h Q everywhere:
+- each RMSNorm that reads the stream first has its weight folded into the linears it feeds (W <- W diag(w), w <- 1),
+  since RMS(h Q) = RMS(h) holds only for the plain norm;
+- linears reading the stream take W <- W Q (W x = (W Q)(Q^T x)); linears writing to it take W <- Q^T W and
+  b <- Q^T b; the embeddings' rows become E Q;
+- the final norm's weight goes into the head, W_head <- W_head diag(w) Q. A head tied to the embeddings is untied,
+  since E Q and E diag(w) Q differ (the head is then stored on its own).
+The rotation of the whole stream is folded offline, so nothing changes at run time: every runtime and export format
+that runs the model runs the rotated one.
+
+The matrix: a random Hadamard-like rotation of the hidden size d = 2^a * m (m odd), Q = diag(s) (H ⊗ O) / sqrt(2^a),
+with H the Walsh-Hadamard matrix of order 2^a (Sylvester), O a random orthogonal matrix of order m (the QR of a
+Gaussian matrix, signs fixed) and s random signs, all from `seed`: 576 = 64 * 9 uses H of order 64 and O of order 9.
+The same inputs and seed give the same matrix, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.methods.base import ModelTransform
+from llmeasyquant.models.arch import ArchSpec, get_module, linear_weight
+
+log = logging.getLogger(__name__)
+
+
+def walsh_hadamard(order: int) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of a power-of-two order, entries ±1 (float64)."""
+    if order < 1 or order & (order - 1):
+        raise ValueError(f"a Walsh-Hadamard matrix has a power-of-two order, not {order}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < order:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h
+
+
+def random_orthogonal(order: int, generator: torch.Generator) -> torch.Tensor:
+    """A random orthogonal matrix (Haar distributed): the Q of a Gaussian matrix's QR, its signs fixed by R's
+    diagonal (float64)."""
+    q, r = torch.linalg.qr(torch.randn(order, order, generator=generator, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))[None, :]).contiguous()
+
+
+def rotation_matrix(size: int, seed: int = 0) -> torch.Tensor:
+    """The module docstring's Q [size, size] (float64, orthogonal)."""
+    if size < 1:
+        raise ConfigError(f"cannot rotate a stream of {size} channels")
+    power = size & -size  # the largest power of two dividing size
+    odd = size // power
+    generator = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.float64) * 2 - 1
+    mixed = walsh_hadamard(power) / power**0.5
+    if odd > 1:
+        mixed = torch.kron(mixed, random_orthogonal(odd, generator))
+    return signs[:, None] * mixed
+
+
+def _fold_norm_into(norm: nn.Module, linears: list[nn.Module]) -> None:
+    """W <- W diag(w) for each linear the RMSNorm feeds, then w <- 1."""
+    weight = norm.weight.detach().double()
+    for linear in linears:
+        w = linear_weight(linear)
+        w.data.copy_((w.detach().double() * weight[None, :]).to(w.dtype))
+    norm.weight.data.fill_(1.0)
+
+
+def _rotate_input(linear: nn.Module, q: torch.Tensor) -> None:
+    w = linear_weight(linear)
+    w.data.copy_((w.detach().double() @ q).to(w.dtype))
+
+
+def _rotate_output(linear: nn.Module, q: torch.Tensor) -> None:
+    w = linear_weight(linear)
+    w.data.copy_((q.T @ w.detach().double()).to(w.dtype))
+    if getattr(linear, "bias", None) is not None:
+        linear.bias.data.copy_((linear.bias.detach().double() @ q).to(linear.bias.dtype))
+
+
+@dataclass(frozen=True)
+class Rotate(ModelTransform):
+    """A rotation of the residual stream folded into the weights (module docstring); `seed` picks the matrix."""
+
+    name: ClassVar[str] = "rotate"
+    default_scheme: ClassVar[str] = "w4a16-g128-asym"
+    seed: int = 0
+
+    def apply_model(self, model: nn.Module, arch: ArchSpec) -> None:
+        spec = arch.rotation
+        if spec is None:
+            raise ConfigError(f"the {arch.family} family cannot be rotated: its norms subtract the mean (LayerNorm), "
+                              "which does not commute with a rotation; use a recipe without 'rotate'")
+        hidden = int(model.config.get_text_config().hidden_size)
+        q = rotation_matrix(hidden, self.seed)
+        with torch.no_grad():
+            for path in arch.embeddings:
+                embedding = get_module(model, path).weight
+                if embedding.shape[-1] != hidden:
+                    raise ConfigError(f"{path} has {embedding.shape[-1]} channels, the stream {hidden}")
+                embedding.data.copy_((embedding.detach().double() @ q).to(embedding.dtype))
+            for block in get_module(model, arch.blocks):
+                for norm_path, readers in spec.readers:
+                    linears = [get_module(block, path) for path in readers]
+                    _fold_norm_into(get_module(block, norm_path), linears)
+                    for linear in linears:
+                        _rotate_input(linear, q)
+                for path in spec.writers:
+                    _rotate_output(get_module(block, path), q)
+            self._rotate_head(model, arch, q)
+        log.info("rotated the residual stream of %d channels (seed %d) into the weights", hidden, self.seed)
+
+    @staticmethod
+    def _rotate_head(model: nn.Module, arch: ArchSpec, q: torch.Tensor) -> None:
+        head = get_module(model, arch.lm_head)
+        embeddings = [get_module(model, path).weight for path in arch.embeddings]
+        if any(head.weight is weight for weight in embeddings):
+            # The embeddings were rotated already (E Q); the head must be E diag(w) Q: give it its own copy of E.
+            head.weight = nn.Parameter((head.weight.detach().double() @ q.T).to(head.weight.dtype))
+            model.config.tie_word_embeddings = False
+            if hasattr(model.config, "get_text_config"):
+                model.config.get_text_config().tie_word_embeddings = False
+        _fold_norm_into(get_module(model, arch.final_norm), [head])
+        _rotate_input(head, q)

@@ -1,0 +1,136 @@
+"""Rotate: an orthogonal matrix of any size, the float function unchanged (tied and untied heads, biases), outliers of
+the residual stream spread, W8A8 error lower, the checkpoint round trip, the refusals and the CLI."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import llmeasyquant as lq
+from llmeasyquant.cli import main
+from llmeasyquant.methods import Rotate, recipe_by_name
+from llmeasyquant.methods.rotate import rotation_matrix, walsh_hadamard
+from llmeasyquant.models.arch import arch_for
+
+VOCAB = 256
+
+
+def untied_llama_with_biases() -> LlamaForCausalLM:
+    """Hidden size 96 = 32 * 3 (a Hadamard part and an odd part), biases on every projection, untied head."""
+    torch.manual_seed(3)
+    config = LlamaConfig(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                         tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms that are not all ones, so that folding them matters
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def with_residual_outliers(model: torch.nn.Module) -> torch.nn.Module:
+    """Two channels of the residual stream 30x larger from the embeddings on (the norms scale them back down)."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, [5, 40]] *= 30.0
+    return model
+
+
+@pytest.mark.parametrize("size", [1, 8, 64, 96, 576, 1536])
+def test_rotation_matrix_is_orthogonal_and_seeded(size):
+    q = rotation_matrix(size, seed=7)
+    torch.testing.assert_close(q @ q.T, torch.eye(size, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert torch.equal(q, rotation_matrix(size, seed=7))
+    if size > 1:
+        assert not torch.equal(q, rotation_matrix(size, seed=8))
+
+
+def test_walsh_hadamard_rows_are_orthogonal_signs():
+    h = walsh_hadamard(16)
+    assert set(h.unique().tolist()) == {-1.0, 1.0}
+    torch.testing.assert_close(h @ h.T, 16 * torch.eye(16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="power-of-two"):
+        walsh_hadamard(12)
+
+
+@pytest.mark.parametrize("build", ["tied", "untied"])
+def test_rotation_leaves_the_float_function_unchanged(build, make_model, random_ids):
+    model = make_model("llama") if build == "tied" else untied_llama_with_biases()
+    with torch.no_grad():
+        before = model(random_ids).logits
+        Rotate(seed=1).apply_model(model, arch_for(model))
+        after = model(random_ids).logits
+    torch.testing.assert_close(after, before, atol=2e-4, rtol=2e-4)
+    if build == "tied":
+        assert model.lm_head.weight is not model.get_input_embeddings().weight
+        assert model.config.tie_word_embeddings is False
+    assert all(torch.equal(m.weight, torch.ones_like(m.weight)) for n, m in model.named_modules()
+               if n.endswith("norm"))
+
+
+def _block_input_peak(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    """max |h| / RMS(h) of the second block's input: how far the largest channel stands out."""
+    seen: list[torch.Tensor] = []
+    handle = model.model.layers[1].register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    h = seen[0]
+    return float(h.abs().amax() / h.pow(2).mean().sqrt())
+
+
+def test_rotation_spreads_the_residual_outliers(make_model, random_ids):
+    model = with_residual_outliers(make_model("llama"))
+    before = _block_input_peak(model, random_ids)
+    Rotate().apply_model(model, arch_for(model))
+    after = _block_input_peak(model, random_ids)
+    assert after < before / 3, (before, after)
+
+
+def test_rotation_lowers_the_w8a8_error_under_residual_outliers(make_model, random_ids):
+    reference = with_residual_outliers(make_model("llama"))
+    with torch.no_grad():
+        target = reference(random_ids).logits
+    errors = {}
+    for recipe in ("rtn", "rotate+rtn"):
+        model = lq.quantize(copy.deepcopy(reference), recipe_by_name(recipe), lq.W8A8, progress=False)
+        with torch.no_grad():
+            errors[recipe] = float((model(random_ids).logits - target).pow(2).mean())
+    assert errors["rotate+rtn"] < errors["rtn"] / 2, errors
+
+
+def test_rotated_checkpoint_round_trips(make_model, random_ids, tmp_path):
+    model = lq.quantize(make_model("llama"), [Rotate(), lq.RTN()], lq.W4A16_G64, progress=False)
+    with torch.no_grad():
+        expected = model(random_ids).logits
+    lq.save(model, tmp_path / "ckpt")
+    loaded, _ = lq.load(tmp_path / "ckpt")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(random_ids).logits, expected, atol=1e-5, rtol=1e-5)
+    assert [step["method"] for step in loaded.llmeasyquant.recipe] == ["rotate", "rtn"]
+
+
+def test_rotation_refuses_layernorm_families_and_streaming(make_model):
+    with pytest.raises(lq.ConfigError, match="LayerNorm"):
+        lq.quantize(make_model("gpt2"), [Rotate(), lq.RTN()], lq.W8A16, progress=False)
+    with pytest.raises(lq.ConfigError, match="--stream"):
+        lq.quantize(make_model("llama"), [Rotate(), lq.RTN()], lq.W8A16, progress=False, stream=object())
+
+
+def test_recipe_names_and_default_scheme():
+    recipe = recipe_by_name("rotate+gptq", seed=4)
+    assert [m.name for m in recipe] == ["rotate", "gptq"] and recipe[0].seed == 4
+    assert [m.name for m in recipe_by_name("rotate")] == ["rotate", "rtn"]
+    assert lq.api.default_scheme(recipe_by_name("rotate+smoothquant")) == lq.parse_scheme("w8a8")
+
+
+def test_cli_rotate_then_gptq(llama_folder, wiki_text, tmp_path):
+    out = tmp_path / "rot"
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "rotate+gptq", "--bits", "4",
+                 "--group-size", "32", "--calib", str(wiki_text), "--calib-samples", "4", "--calib-seqlen", "32",
+                 "--out", str(out)]) == 0
+    model, _ = lq.load(out)
+    assert [r["method"] for r in model.llmeasyquant.recipe] == ["rotate", "gptq"]
