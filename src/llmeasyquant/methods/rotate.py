@@ -102,6 +102,7 @@ class Rotate(ModelTransform):
         hidden = int(model.config.get_text_config().hidden_size)
         q = rotation_matrix(hidden, self.seed)
         with torch.no_grad():
+            self._untie_head(model, arch)
             for path in arch.embeddings:
                 embedding = get_module(model, path).weight
                 if embedding.shape[-1] != hidden:
@@ -115,18 +116,17 @@ class Rotate(ModelTransform):
                         _rotate_input(linear, q)
                 for path in spec.writers:
                     _rotate_output(get_module(block, path), q)
-            self._rotate_head(model, arch, q)
+            head = get_module(model, arch.lm_head)
+            _fold_norm_into(get_module(model, arch.final_norm), [head])
+            _rotate_input(head, q)
         log.info("rotated the residual stream of %d channels (seed %d) into the weights", hidden, self.seed)
 
     @staticmethod
-    def _rotate_head(model: nn.Module, arch: ArchSpec, q: torch.Tensor) -> None:
+    def _untie_head(model: nn.Module, arch: ArchSpec) -> None:
+        """A head that shares the embeddings' weight gets its own copy: rotated, the embeddings become E Q and the
+        head E diag(w) Q."""
         head = get_module(model, arch.lm_head)
-        embeddings = [get_module(model, path).weight for path in arch.embeddings]
-        if any(head.weight is weight for weight in embeddings):
-            # The embeddings were rotated already (E Q); the head must be E diag(w) Q: give it its own copy of E.
-            head.weight = nn.Parameter((head.weight.detach().double() @ q.T).to(head.weight.dtype))
+        if any(head.weight is get_module(model, path).weight for path in arch.embeddings):
+            head.weight = nn.Parameter(head.weight.detach().clone())
             model.config.tie_word_embeddings = False
-            if hasattr(model.config, "get_text_config"):
-                model.config.get_text_config().tie_word_embeddings = False
-        _fold_norm_into(get_module(model, arch.final_norm), [head])
-        _rotate_input(head, q)
+            model.config.get_text_config().tie_word_embeddings = False
