@@ -33,6 +33,9 @@ W8_ODD = NATIVE_W8 or REFERENCE  # for other widths
 NATIVE_W4 = "cpu_native_w4a16" if native.ops() is not None else None
 W4 = NATIVE_W4 or INT4PACK
 W4_OTHER_GROUP = NATIVE_W4 or REFERENCE
+# W4A8 (dynamic symmetric per-token activations, groups a multiple of 8 wide) runs the native integer matmul.
+W4A8 = "cpu_native_w4a8" if native.ops() is not None else REFERENCE
+W4A8_SCHEMES = ["w4a8", "w4a8-asym", "w4a8-g32", "w4a8-g64", "w4a8-g64-asym", "w4a8-g128-asym", "w4a8-g8"]
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +112,41 @@ def test_weight_only_kernel_matches_reference(scheme_name, in_features, out_feat
     assert rel_rms_err(y, ref) <= 1e-2
 
 
-@pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g128-asym", "w3a16-g32"])
+@pytest.mark.parametrize("tokens", [1, 5, 9, 64])
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES, ids=[f"{i}x{o}" for i, o in SHAPES])
+@pytest.mark.parametrize("scheme_name", W4A8_SCHEMES)
+def test_w4a8_kernel_matches_reference(scheme_name, in_features, out_features, tokens):
+    layer, reference = layer_pair(scheme_name, in_features, out_features)
+    assert layer.kernel().name == W4A8
+    x = make_input(tokens, in_features)
+    y, ref = layer(x), reference(x)
+    assert y.shape == ref.shape == (tokens, out_features) and y.dtype == torch.float32
+    if layer.group_size >= in_features:
+        # One exact integer sum a row, scaled in the reference's order: the same bits.
+        assert torch.equal(y, ref)
+    else:
+        # Exact int32 sums per group; only the fp32 sum over groups may round in another order.
+        assert float((y - ref).abs().max() / ref.abs().max()) <= 1e-6
+
+
+def test_w4a8_tiles_hold_eight_columns_of_sixteen_channels_per_64_bytes():
+    from llmeasyquant.kernels.cpu import tile_int4_codes
+
+    codes = torch.arange(-8, 8, dtype=torch.int8).repeat(17, 2)[:17, :13]  # 17 channels x 13 columns
+    codes[5, 9] = 7
+    tiled = tile_int4_codes(codes)
+    assert tiled.shape == (2, 2, 16, 4) and tiled.dtype == torch.uint8
+    # Channel 5, block 1 (columns 8..15): byte c holds column 8 + c low and 12 + c high, as code + 8.
+    lane = tiled[0, 1, 5]
+    assert [int(b) & 15 for b in lane] == [int(codes[5, 8 + c]) + 8 for c in range(4)]
+    assert [int(b) >> 4 for b in lane[:1]] == [int(codes[5, 12]) + 8]
+    assert int(lane[1]) & 15 == 15  # the 7 written at column 9
+    # Padding: columns 13..15 and channels 17..31 hold u = 8 (code 0).
+    assert [int(b) >> 4 for b in lane[1:]] == [8, 8, 8]
+    assert bool((tiled[1, :, 1:] == 0x88).all())
+
+
+@pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g128-asym", "w3a16-g32", "w4a8-g64"])
 def test_kernels_are_not_trivially_close(scheme_name):
     """Guard against a vacuous comparison: the reference output differs from a wrong weight's output."""
     layer, reference = layer_pair(scheme_name, 576, 192)
@@ -159,8 +196,10 @@ def test_reference_kernel_is_close_to_the_float_layer(scheme_name):
         ("w4a16-g16", 576, W4_OTHER_GROUP),
         ("w4a16-g48", 576, W4_OTHER_GROUP),
         ("w4a16-g33", 576, REFERENCE),  # an odd group starts mid-byte
-        ("w4a8-g128", 576, REFERENCE),
-        ("w4a8-g128", 64, REFERENCE),
+        ("w4a8-g128", 576, W4A8),
+        ("w4a8-g128", 64, W4A8),
+        ("w4a8-g12", 576, REFERENCE),  # groups must hold whole blocks of 8 columns
+        ("w4a8-g64-aasym", 576, REFERENCE),  # asymmetric activations: no kernel yet
     ],
 )
 def test_registry_choice(scheme_name, in_features, expected):

@@ -17,6 +17,7 @@ from llmeasyquant.kernels.cpu import (
     Int4WeightOnlyKernel,
     Int8DynamicActKernel,
     Int8WeightOnlyKernel,
+    NativeInt4Int8Kernel,
     NativeInt4WeightOnlyKernel,
     NativeInt8WeightOnlyKernel,
 )
@@ -29,8 +30,8 @@ log = logging.getLogger(__name__)
 REFERENCE = ReferenceKernel()
 KERNELS_BY_DEVICE: dict[str, list[Any]] = {
     # The fused-operator weight-only kernels first: fp32 results; they are offered only where kernels/native.py builds.
-    "cpu": [Int8DynamicActKernel(), NativeInt8WeightOnlyKernel(), Int8WeightOnlyKernel(), NativeInt4WeightOnlyKernel(),
-            Int4WeightOnlyKernel()],
+    "cpu": [Int8DynamicActKernel(), NativeInt4Int8Kernel(), NativeInt8WeightOnlyKernel(), Int8WeightOnlyKernel(),
+            NativeInt4WeightOnlyKernel(), Int4WeightOnlyKernel()],
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }

@@ -1,6 +1,7 @@
 """CPU integer kernels built on PyTorch's own int8/int4 operators and on the fused operators of kernels/native.py.
 
 - W8A8: dynamic per-token int8 activations x int8 weights with `torch._int_mm` (int32 accumulation).
+- W4A8: the same activations x group-wise int4 weights on the native integer matmul (int32 sums per group).
 - W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`, or fp32 ones on the native matmul.
 - W4A16: fp32 activations on the native int4 matmul; or (and 2/3-bit codes, unpacked from dense storage into
   nibbles when prepared) `aten._weight_int4pack_mm_for_cpu` with bf16 activations.
@@ -166,6 +167,54 @@ class NativeInt4WeightOnlyKernel:
             weight = ops.dequantize_int4(layer.qweight, prepared["scales"], prepared["zeros"], layer.in_features,
                                          layer.group_size)
         return x @ weight.t()
+
+
+def tile_int4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Signed 4-bit codes [out, in] -> the W4A8 operator's tiles [tiles, blocks, 16, 4] uint8 (native
+    matmul_kernels.cpp, `Int4TiledWeights`): per 16 output channels and 8 input columns, byte c of a channel holds
+    column c in its low nibble and column 4 + c in its high one, as u = code + 8. Rows are padded to whole tiles and
+    columns to whole blocks (padding meets zero activations or is never stored)."""
+    out, width = codes.shape
+    tiles, blocks = -(-out // 16), -(-width // 8)
+    unsigned = torch.nn.functional.pad((codes.to(torch.int16) + 8).to(torch.uint8),
+                                       (0, blocks * 8 - width, 0, tiles * 16 - out), value=8)
+    grouped = unsigned.reshape(tiles, 16, blocks, 8).permute(0, 2, 1, 3)  # [tiles, blocks, 16 channels, 8 columns]
+    return (grouped[..., :4] | (grouped[..., 4:] << 4)).contiguous()
+
+
+class NativeInt4Int8Kernel:
+    """W4A8 on the native integer matmul: dynamic symmetric int8 activations per token (the fused quantize_rows),
+    4-bit group-wise weights unpacked to bytes in registers, int32 sums per group (VNNI where the CPU has it) scaled
+    in fp32: the reference kernel's integer product, exact per group (bit for bit with per-channel weights; with
+    groups, the fp32 sum over groups may round differently). Groups must be multiples of 8 wide (or span the row)."""
+
+    name = "cpu_native_w4a8"
+
+    def supports(self, layer) -> bool:
+        act = layer.scheme.act
+        group_ok = layer.group_size % 8 == 0 or layer.group_size >= layer.in_features
+        return (layer.scheme.bits == 4 and act is not None and act.symmetric and act.mode is ActMode.DYNAMIC
+                and isinstance(act.granularity, PerToken) and group_ok and native.ops() is not None)
+
+    def prepare(self, layer) -> dict:
+        tiled = tile_int4_codes(layer.codes())
+        padded = tiled.shape[0] * 16
+        extra = padded - layer.out_features
+        offsets = torch.full_like(layer.scales, 8, dtype=torch.int32)
+        if layer.zeros is not None:
+            offsets += layer.zeros.to(torch.int32)
+        # [groups, padded out]: the 16 channels of a tile read their scales and offsets as one vector each.
+        return {"tiled": tiled,
+                "scales": torch.nn.functional.pad(layer.scales.float().t(), (0, extra)).contiguous(),
+                "offsets": torch.nn.functional.pad(offsets.t(), (0, extra)).contiguous()}
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        ops = native.built()  # a layer that chose this kernel keeps it if the switch is turned off later
+        with scope(QUANTIZE_ACTIVATIONS):
+            qx, x_scale = ops.quantize_rows(x, MIN_SCALE)
+        with scope(NATIVE_GEMM):
+            return ops.int4_int8_matmul(qx, x_scale, prepared["tiled"], prepared["scales"], prepared["offsets"],
+                                        layer.group_size, layer.out_features)
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,18 @@
 
 The sources, split by purpose, build one extension module: native/decoder_ops.cpp (the decoder's operators: RMS norm,
 rotary embedding and cache write, attention, SiLU x up, int8 rows of activations), native/matmul_kernels.cpp (the
-W8A16 and W4A16 weight-only matmuls), native/paged_ops.cpp (the serving engine's paged KV pool, float and SimQuant
-coded: stores and attention; kernels/paged_reference.py is their PyTorch oracle), native/bindings.cpp (the module's
-one registration block, every name Python calls), and native/common.h (what the operator files share: ATen's vector
-type, input checks, the thread-splitting helper).
+W8A16 and W4A16 weight-only matmuls, the W4A8 integer matmul), native/paged_ops.cpp (the serving engine's paged KV
+pool, float and SimQuant coded: stores and attention; kernels/paged_reference.py is their PyTorch oracle),
+native/bindings.cpp (the module's one registration block, every name Python calls), and native/common.h (what the
+operator files share: ATen's vector type, input checks, the thread-splitting helper).
 
 PyTorch compiles the files with the machine's C++ compiler through `torch.utils.cpp_extension` (needs a compiler,
 Python's headers and the `ninja` package) and caches the build, so only the first process on a machine waits for it
 (some 20-40 seconds). Instruction-set flags follow the CPU capability PyTorch detected, and the capability is part of
-the build's name, so a cache is never shared between machines that differ in it. So is a digest of every source and
-header under native/: a change to any of them, the header included, builds afresh under a new name, and checkouts
-with different sources never share (or rebuild each other's) build.
+the build's name, so a cache is never shared between machines that differ in it. So is a digest of the flags (VNNI
+included where the CPU has it) and of every source and header under native/: a change to any of them, the header
+included, builds afresh under a new name, and checkouts with different sources never share (or rebuild each other's)
+build.
 
 `ops()` returns the loaded module, or None where it cannot be built (the reason is logged once) or where
 `LLMEASYQUANT_NATIVE=0` turns it off; callers then run the eager PyTorch path, which computes the same thing.
@@ -47,10 +48,19 @@ _FLAGS_BY_CAPABILITY = {
 }
 
 
-def source_digest() -> str:
+def isa_flags(capability: str) -> list[str]:
+    """Instruction-set flags for PyTorch's CPU capability, plus AVX-512 VNNI where the CPU has it: the W4A8 kernel's
+    int8 dot product is one instruction with it (`_mm512_dpbusd_epi32`) and an AVX512-BW pair without."""
+    flags = list(_FLAGS_BY_CAPABILITY.get(capability, []))
+    if capability == "AVX512" and torch.cpu._is_vnni_supported():
+        flags.append("-mavx512vnni")
+    return flags
+
+
+def source_digest(flags: list[str]) -> str:
     """The build's key: a digest of the compiler flags and of the name and content of every source and header under
     native/."""
-    digest = hashlib.sha256(repr(sorted(_FLAGS_BY_CAPABILITY.items())).encode())
+    digest = hashlib.sha256(repr(flags).encode())
     for path in sorted(p for p in NATIVE.iterdir() if p.suffix in {".cpp", ".h"}):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
@@ -69,11 +79,10 @@ def _build() -> ModuleType | None:
     known = capability if capability in _FLAGS_BY_CAPABILITY else "DEFAULT"
     # -fopenmp: at::parallel_for is OpenMP in PyTorch's CPU build and is compiled into the caller; without it
     # every parallel loop here would run on one thread.
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DCPU_CAPABILITY={known}",
-             *_FLAGS_BY_CAPABILITY.get(known, [])]
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DCPU_CAPABILITY={known}", *isa_flags(known)]
     log.info("loading the fused C++ operators for %s (compiled on first use, once per machine)", known)
     try:
-        return cpp_extension.load(name=f"llmeasyquant_native_{known.lower()}_{source_digest()}",
+        return cpp_extension.load(name=f"llmeasyquant_native_{known.lower()}_{source_digest(flags)}",
                                   sources=[str(source) for source in SOURCES], extra_cflags=flags,
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, no ninja: the eager path computes the same thing

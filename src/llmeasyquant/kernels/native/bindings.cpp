@@ -43,6 +43,12 @@ at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, c
 at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& zeros, int64_t group_size);
 
+// qx: [rows, in] int8, x_scales: [rows, 1] fp32, tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16]
+// fp32, offsets: [groups, tiles * 16] int32 -> [rows, out] fp32
+at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& tiled,
+                            const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+                            int64_t out_features);
+
 // ==== paged KV pool (paged_ops.cpp) ====
 
 // qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, key_pool, value_pool: [N, kv_heads, B,
@@ -82,6 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4", &dequantize_int4);
   m.def("int4_weight_matmul", &int4_weight_matmul);
   m.def("int8_weight_matmul", &int8_weight_matmul);
+  m.def("int4_int8_matmul", &int4_int8_matmul);
   m.def("rms_norm", &rms_norm);
   m.def("rope_store", &rope_store);
   m.def("decode_attention", &decode_attention);

@@ -5,6 +5,8 @@
 
 #include "common.h"
 
+#include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -307,6 +309,209 @@ at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, 
         int4_channel<1>(weights, o, px + r * width, ps == nullptr ? nullptr : ps + r * width, sums);
         py[r * weights.out + o] = sums[0];
       }
+    }
+  });
+  return y;
+}
+
+// ==== W4A8: int4 weights x int8 activations, int32 sums ====
+
+namespace {
+
+// The weights of a W4A8 layer, tiled for the integer dot product (kernels/cpu.py `tile_int4_codes` makes them):
+// `tiled` [tiles, blocks, 16, 4] uint8 holds, for each tile of 16 output channels and each block of 8 input
+// columns, 4 bytes a channel: byte c has column 8b + c in its low nibble and column 8b + 4 + c in its high one, the
+// nibble being u = code + 8 in [0, 15]. One 64-byte load gives 16 channels x 8 columns, so the 32-bit lanes of a
+// vector are output channels and each takes 4 activation bytes broadcast to all lanes: no horizontal sums, and the
+// activations are read in their natural order.
+// `scales` [groups, padded out] fp32 and `offsets` [groups, padded out] int32 (8 + zero, so that
+// sum_i (code_i - zero) qx_i = sum_i u_i qx_i - offset * sum_i qx_i, exact in int32 per group).
+struct Int4TiledWeights {
+  const uint8_t* tiled;
+  const float* scales;
+  const int32_t* offsets;
+  int64_t tiles, blocks, groups, group_size, out;
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+// acc + the sums of 4 products u * q in each 32-bit lane (u unsigned < 16, q signed): VNNI's one instruction where
+// the CPU has it, else the AVX512-BW pair (the 16-bit pair sums, at most 2 * 15 * 128, never saturate).
+inline __m512i dot4(__m512i acc, __m512i u, __m512i q) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, q);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, q), _mm512_set1_epi16(1)));
+#endif
+}
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// y[r, 16 T channels of tiles t..t+T-1] for R activation rows: per group, exact int32 sums of u * qx less the
+// offset times the group's activation sum, then scaled by the weight scales in fp32 and summed over groups; times the
+// row's scale. One group (per-channel weights): float(sum) * x_scale * w_scale, the reference kernel's order, bit
+// for bit. Each broadcast of 4 activation bytes serves T tiles, each unpacked block of weights R rows.
+template <int R, int T>
+void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t stride, const int32_t* sums,
+                const float* x_scales, float* y, int64_t out_stride) {
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  __m512 total[T][R];
+  __m512i acc[T][R];
+  for (int k = 0; k < T; ++k)
+    for (int r = 0; r < R; ++r) total[k][r] = _mm512_setzero_ps();
+  const int64_t padded = w.tiles * 16;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    for (int k = 0; k < T; ++k)
+      for (int r = 0; r < R; ++r) acc[k][r] = _mm512_setzero_si512();
+    const int64_t first = g * w.group_size / 8, last = std::min(w.blocks, (g + 1) * w.group_size / 8);
+    for (int64_t b = first; b < last; ++b) {
+      __m512i low[T], high[T];
+      for (int k = 0; k < T; ++k) {
+        const __m512i bytes = _mm512_loadu_si512(w.tiled + ((t + k) * w.blocks + b) * 64);
+        low[k] = _mm512_and_si512(bytes, low_mask);
+        high[k] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_mask);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* row = qx + r * stride + b * 8;
+        const __m512i first4 = _mm512_set1_epi32(four_bytes(row)), second4 = _mm512_set1_epi32(four_bytes(row + 4));
+        for (int k = 0; k < T; ++k) acc[k][r] = dot4(dot4(acc[k][r], low[k], first4), high[k], second4);
+      }
+    }
+    for (int k = 0; k < T; ++k) {
+      const __m512i offset = _mm512_loadu_si512(w.offsets + g * padded + (t + k) * 16);
+      const __m512 scale = _mm512_loadu_ps(w.scales + g * padded + (t + k) * 16);
+      for (int r = 0; r < R; ++r) {
+        acc[k][r] = _mm512_sub_epi32(acc[k][r],
+                                     _mm512_mullo_epi32(offset, _mm512_set1_epi32(sums[r * w.groups + g])));
+        if (w.groups > 1) total[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k][r]), scale, total[k][r]);
+      }
+    }
+  }
+  for (int k = 0; k < T; ++k) {
+    const int64_t valid = std::min<int64_t>(16, w.out - (t + k) * 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 scale = _mm512_loadu_ps(w.scales + (t + k) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(x_scales[r]);
+      const __m512 result = w.groups > 1 ? _mm512_mul_ps(total[k][r], xs)
+                                         : _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[k][r]), xs), scale);
+      _mm512_mask_storeu_ps(y + r * out_stride + (t + k) * 16, mask, result);
+    }
+  }
+}
+#endif
+
+// The same arithmetic one value at a time, for CPUs without AVX-512.
+void w4a8_tile_scalar(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t* qx, int64_t stride,
+                      const int32_t* sums, const float* x_scales, float* y, int64_t out_stride) {
+  const int64_t padded = w.tiles * 16;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < 16 && t * 16 + j < w.out; ++j) {
+      const int64_t o = t * 16 + j;
+      float total = 0.0f;
+      int32_t acc = 0;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        acc = 0;
+        const int64_t first = g * w.group_size / 8, last = std::min(w.blocks, (g + 1) * w.group_size / 8);
+        for (int64_t b = first; b < last; ++b) {
+          const uint8_t* lane = w.tiled + ((t * w.blocks + b) * 16 + j) * 4;
+          for (int64_t c = 0; c < 4; ++c) {
+            acc += static_cast<int32_t>(lane[c] & 0x0F) * qx[r * stride + b * 8 + c];
+            acc += static_cast<int32_t>(lane[c] >> 4) * qx[r * stride + b * 8 + 4 + c];
+          }
+        }
+        acc -= w.offsets[g * padded + o] * sums[r * w.groups + g];
+        if (w.groups > 1) total = std::fma(static_cast<float>(acc), w.scales[g * padded + o], total);
+      }
+      y[r * out_stride + o] = w.groups > 1 ? total * x_scales[r]
+                                           : static_cast<float>(acc) * x_scales[r] * w.scales[o];
+    }
+}
+
+// Activation rows that share each unpacked block of weights: 8 for one tile, 4 for a pair of tiles (4 x 2 integer
+// and 4 x 2 float accumulators, plus the weights, fit AVX-512's 32 registers).
+constexpr int64_t kW4A8Rows = 8, kW4A8PairRows = 4;
+
+}  // namespace
+
+// qx: [rows, in] int8, x_scales: [rows, 1] fp32, tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16]
+// fp32, offsets: [groups, tiles * 16] int32 -> y: [rows, out] fp32
+// y = (qx times the int4 weights) scaled, as kernels/reference.py's integer product computes it: exact int32 sums
+// per group. group_size is a multiple of 8 (or covers the row); columns past `in` up to the block are zero in qx.
+at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& tiled,
+                            const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+                            int64_t out_features) {
+  const at::Tensor qx_dense = input(qx_in, at::kChar, "qx");
+  const at::Tensor x_scales = input(x_scales_in, at::kFloat, "x_scales");
+  check_cpu(tiled, at::kByte, "tiled");
+  check_cpu(scales, at::kFloat, "scales");
+  check_cpu(offsets, at::kInt, "offsets");
+  TORCH_CHECK(qx_dense.dim() == 2 && x_scales.numel() == qx_dense.size(0), "qx [rows, in] needs x_scales [rows, 1]");
+  TORCH_CHECK(tiled.dim() == 4 && tiled.size(2) == 16 && tiled.size(3) == 4, "tiled must be [tiles, blocks, 16, 4]");
+  const int64_t rows = qx_dense.size(0), width = qx_dense.size(1), tiles = tiled.size(0), blocks = tiled.size(1);
+  TORCH_CHECK(blocks == (width + 7) / 8, "tiled has ", blocks, " blocks of 8 columns, x has ", width, " columns");
+  TORCH_CHECK(group_size > 0 && (group_size % 8 == 0 || group_size >= width),
+              "group size must be a multiple of 8 or cover the row, got ", group_size);
+  TORCH_CHECK(out_features > 0 && out_features <= tiles * 16, "out_features must fit the tiles");
+  const int64_t span = group_size >= width ? blocks * 8 : group_size, groups = (blocks * 8 + span - 1) / span;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == tiles * 16 &&
+                  offsets.sizes() == scales.sizes(),
+              "scales and offsets must be [groups, tiles * 16] = [", groups, ", ", tiles * 16, "]");
+  // Rows padded to whole blocks with zero codes, and each row's activation sum per group.
+  at::Tensor qx = qx_dense;
+  if (width % 8 != 0) qx = at::constant_pad_nd(qx_dense, {0, blocks * 8 - width}, 0);
+  const int64_t stride = blocks * 8;
+  const int8_t* pq = qx.data_ptr<int8_t>();
+  std::vector<int32_t> sums(rows * groups, 0);
+  for_rows(rows, stride, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;
+        const int8_t* part = pq + r * stride + g * span;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < std::min(span, stride - g * span); ++i) sum += part[i];
+        sums[r * groups + g] = sum;
+      }
+  });
+  const Int4TiledWeights w{tiled.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>(), tiles,
+                           blocks, groups, span, out_features};
+  at::Tensor y = at::empty({rows, out_features}, x_scales.options());
+  float* py = y.data_ptr<float>();
+  const float* pxs = x_scales.data_ptr<float>();
+  at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end;) {
+      int64_t r = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      const auto at_row = [&](int64_t row) { return std::make_tuple(pq + row * stride, sums.data() + row * groups,
+                                                                     pxs + row, py + row * out_features); };
+      if (t + 1 < end) {  // two tiles per broadcast of activations (fewer broadcasts per sum: measured faster)
+        for (; r + kW4A8PairRows <= rows; r += kW4A8PairRows) {
+          auto [q, s, xs, out] = at_row(r);
+          w4a8_tiles<kW4A8PairRows, 2>(w, t, q, stride, s, xs, out, out_features);
+        }
+        for (; r < rows; ++r) {
+          auto [q, s, xs, out] = at_row(r);
+          w4a8_tiles<1, 2>(w, t, q, stride, s, xs, out, out_features);
+        }
+        t += 2;
+        continue;
+      }
+      for (; r + kW4A8Rows <= rows; r += kW4A8Rows) {
+        auto [q, s, xs, out] = at_row(r);
+        w4a8_tiles<kW4A8Rows, 1>(w, t, q, stride, s, xs, out, out_features);
+      }
+      for (; r < rows; ++r) {
+        auto [q, s, xs, out] = at_row(r);
+        w4a8_tiles<1, 1>(w, t, q, stride, s, xs, out, out_features);
+      }
+#endif
+      if (r < rows)
+        w4a8_tile_scalar(w, t, rows - r, pq + r * stride, stride, sums.data() + r * groups, pxs + r,
+                         py + r * out_features, out_features);
+      ++t;
     }
   });
   return y;
