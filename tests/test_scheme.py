@@ -269,23 +269,30 @@ def test_per_token_weights_rejected():
         QuantScheme(8, granularity=PerToken())
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 16, 1])
-def test_activation_bits_other_than_8(bits):
+@pytest.mark.parametrize("bits", [2, 3, 16, 1])
+def test_activation_bits_other_than_8_or_4(bits):
     with pytest.raises(ConfigError, match="activation bit width") as info:
         ActScheme(bits=bits)
-    assert str(bits) in str(info.value)
+    assert str(bits) in str(info.value) and "choose 8 or 4" in str(info.value)
 
 
-@pytest.mark.parametrize("text", ["w8a4", "w4a4-g128", "w8a2", "w8a32"])
-def test_parse_activation_bits_other_than_8(text):
+@pytest.mark.parametrize("text", ["w8a2", "w8a32", "w4a3-g64"])
+def test_parse_activation_bits_other_than_8_or_4(text):
     with pytest.raises(ConfigError, match="activation bit width"):
         parse_scheme(text)
 
 
-@pytest.mark.parametrize("act_bits", [4, 32])
-def test_make_scheme_activation_bits_other_than_8(act_bits):
+@pytest.mark.parametrize("act_bits", [2, 32])
+def test_make_scheme_activation_bits_other_than_8_or_4(act_bits):
     with pytest.raises(ConfigError, match="activation bit width"):
         make_scheme(8, act_bits=act_bits)
+
+
+@pytest.mark.parametrize("text", ["w4a4-g128", "w8a4", "w4a4-g64-asym"])
+def test_four_bit_activations_round_trip(text):
+    scheme = parse_scheme(text)
+    assert scheme.act.bits == 4 and scheme.name == text
+    assert QuantScheme.from_dict(scheme.to_dict()) == scheme
 
 
 def test_static_activations_rejected():

@@ -9,6 +9,7 @@ from enum import StrEnum
 from llmeasyquant.errors import ConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+ACT_BITS = (4, 8)  # activation bit widths; 4-bit codes are stored and multiplied as int8
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,9 @@ class ActScheme:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", ActMode.parse(self.mode))
-        if self.bits != 8:
-            raise ConfigError(f"unsupported activation bit width {self.bits!r}; only 8-bit activations are supported")
+        if self.bits not in ACT_BITS:
+            raise ConfigError(f"unsupported activation bit width {self.bits!r}; choose 8 or 4 (4-bit activations "
+                              "want a rotation first: --method rotate+gptq)")
         if not isinstance(self.granularity, PerToken | PerTensor):
             raise ConfigError("activation granularity must be per-token or per-tensor")
         if self.mode is not ActMode.DYNAMIC and not isinstance(self.granularity, PerTensor):

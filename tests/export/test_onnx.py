@@ -194,6 +194,13 @@ def test_existing_output_needs_force(make_model, tmp_path: Path) -> None:
         export_onnx(model, None, tmp_path / "out")
 
 
+def test_four_bit_activations_are_refused(make_model, tmp_path: Path) -> None:
+    model = _quantize(make_model("llama"), lq.parse_scheme("w4a4-g32"))
+    with pytest.raises(lq.ConfigError, match=r"activations to 4 bits.*int8 only"):
+        export_onnx(model, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_that_is_not_quantized_is_refused(make_model, tmp_path: Path) -> None:
     with pytest.raises(lq.ConfigError, match="quantize it"):
         export_onnx(make_model("llama"), None, tmp_path / "out")

@@ -35,7 +35,8 @@ W4 = NATIVE_W4 or INT4PACK
 W4_OTHER_GROUP = NATIVE_W4 or REFERENCE
 # W4A8 (dynamic symmetric per-token activations, groups a multiple of 8 wide) runs the native integer matmul.
 W4A8 = "cpu_native_w4a8" if native.ops() is not None else REFERENCE
-W4A8_SCHEMES = ["w4a8", "w4a8-asym", "w4a8-g32", "w4a8-g64", "w4a8-g64-asym", "w4a8-g128-asym", "w4a8-g8"]
+W4A8_SCHEMES = ["w4a8", "w4a8-asym", "w4a8-g32", "w4a8-g64", "w4a8-g64-asym", "w4a8-g128-asym", "w4a8-g8",
+                "w4a4-g64", "w4a4-asym"]
 
 
 @pytest.fixture(autouse=True)
@@ -443,20 +444,22 @@ def test_fast_per_token_quantization_is_bit_identical_to_the_primitives():
     assert torch.equal(scale, qp.scale) and torch.equal(codes, quantize(x, qp, 8))
 
 
-def test_fast_per_token_quantization_needs_no_clamp():
-    """The fast path leaves out the clamp to [-128, 127]: on rows spanning 60 orders of magnitude, rows so small
-    that the minimum scale applies, and each row's extreme on either sign, the codes equal the clamped ones."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fast_per_token_quantization_needs_no_clamp(bits):
+    """The fast path leaves out the clamp to [-qmax - 1, qmax]: on rows spanning 60 orders of magnitude, rows so
+    small that the minimum scale applies, and each row's extreme on either sign, the codes equal the clamped ones."""
     from llmeasyquant.kernels.cpu import quantize_rows_symmetric
     from llmeasyquant.primitives import MIN_SCALE, choose_qparams, quantize
     from llmeasyquant.scheme import PerToken
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(6000, 33, generator=gen) * torch.logspace(-30, 30, 6000)[:, None]
-    x[:500] = torch.rand(500, 33, generator=gen) * 127 * MIN_SCALE * 1.01  # around where the scale's floor binds
+    qmax = 2 ** (bits - 1) - 1
+    x[:500] = torch.rand(500, 33, generator=gen) * qmax * MIN_SCALE * 1.01  # around where the scale's floor binds
     x[::3, 0] = -x[::3].abs().amax(dim=1) * 1.0000001  # the extreme negative, beyond every other value
-    codes, _ = quantize_rows_symmetric(x)
-    assert torch.equal(codes, quantize(x, choose_qparams(x, 8, True, PerToken(), scale_dtype=None), 8))
-    assert int(codes.min()) >= -128 and int(codes.max()) <= 127
+    codes, _ = quantize_rows_symmetric(x, bits)
+    assert torch.equal(codes, quantize(x, choose_qparams(x, bits, True, PerToken(), scale_dtype=None), bits))
+    assert int(codes.min()) >= -qmax - 1 and int(codes.max()) <= qmax
 
 
 @pytest.mark.parametrize("scheme_name", ["w4a8-g64-asym", "w8a8-g100-aasym"])

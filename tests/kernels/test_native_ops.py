@@ -34,15 +34,18 @@ def rows(count: int, width: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(count, width, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("count", [1, 3, 16, 513])  # 513: a prompt's rows, split over the threads
 @pytest.mark.parametrize("width", [64, 576, 1000])
-def test_quantize_rows_is_bit_identical(ops, count, width):
+def test_quantize_rows_is_bit_identical(ops, count, width, bits):
+    qmax = 2 ** (bits - 1) - 1
     x = rows(count, width)
-    x[0, :5] = torch.tensor([0.5, -0.5, 1.5, -2.5, 0.0]) * x[0].abs().max() / 127  # ties: rounded to even
+    x[0, :5] = torch.tensor([0.5, -0.5, 1.5, -2.5, 0.0]) * x[0].abs().max() / qmax  # ties: rounded to even
     if count > 1:
         x[1] = 0.0  # an all-zero row takes the minimum scale
-    codes, scales = ops.quantize_rows(x, MIN_SCALE)
-    expected_codes, expected_scales = quantize_rows_symmetric(x)
+    codes, scales = ops.quantize_rows(x, MIN_SCALE, qmax)
+    expected_codes, expected_scales = quantize_rows_symmetric(x, bits)
+    assert int(codes.abs().max()) == qmax
     assert torch.equal(codes, expected_codes)
     assert torch.equal(scales, expected_scales)
 

@@ -37,8 +37,9 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
                    "w4a16-g128, awq w4a16-g128-asym, smoothquant w8a8, zeroquant w4a8-g64")
     p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
-    p.add_argument("--act-bits", type=int, choices=(8, 16),
-                   help="8: dynamic per-token int8 activations (W8A8 on integer kernels); 16: float activations")
+    p.add_argument("--act-bits", type=int, choices=(4, 8, 16),
+                   help="8: dynamic per-token int8 activations (W8A8, W4A8 on integer kernels); 4: 4-bit ones (W4A4: "
+                   "with a rotation, --method rotate+gptq); 16: float activations")
     p.add_argument("--act-mode", choices=[mode.value for mode in ActMode],
                    help="with --act-bits 8: 'dynamic' per-token scales computed on the fly (default); 'static' one "
                    "per-tensor scale per layer from calibration data; 'online' a per-tensor range tracked with an "

@@ -88,10 +88,15 @@ def _stand_in_model(model: nn.Module, layers: dict[str, QuantLinear]) -> nn.Modu
     return clone.cpu().float().eval()
 
 
-def _act_quant(layer: QuantLinear) -> ActQuant | None:
+def _act_quant(name: str, layer: QuantLinear) -> ActQuant | None:
     act = layer.scheme.act
     if act is None:
         return None
+    if act.bits != 8:
+        raise ConfigError(f"{name} quantizes its activations to {act.bits} bits; the ONNX graph quantizes "
+                          "activations to int8 only (QuantizeLinear's 4-bit types need opset 21 and are not run by "
+                          "ONNX Runtime's CPU GEMMs): export a W4A8 or weight-only checkpoint, or use "
+                          "`export --to compressed-tensors`")
     if act.mode is ActMode.DYNAMIC:
         return ActQuant(dynamic=True, symmetric=act.symmetric, per_token=isinstance(act.granularity, PerToken))
     layer.check_input_scale()
@@ -104,7 +109,7 @@ def _layer_codes(name: str, layer: QuantLinear) -> LayerCodes:
     qp = layer.qparams()
     zero = None if qp.zero is None else qp.zero.to(torch.int8).cpu().numpy()
     return LayerCodes(name=name, codes=layer.codes().cpu().numpy(), scale=qp.scale.float().cpu().numpy(), zero=zero,
-                      group_size=qp.group_size, bits=layer.scheme.bits, act=_act_quant(layer))
+                      group_size=qp.group_size, bits=layer.scheme.bits, act=_act_quant(name, layer))
 
 
 @contextlib.contextmanager

@@ -20,19 +20,19 @@ import torch
 
 from llmeasyquant.kernels import native
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS, scope
-from llmeasyquant.primitives import MIN_SCALE, quantize
+from llmeasyquant.primitives import MIN_SCALE, qrange, quantize
 from llmeasyquant.scheme import ActMode, PerChannel, PerTensor, PerToken
 
 _INT4_GROUPS = (32, 64, 128, 256)
 
 
-def quantize_rows_symmetric(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric per-token int8 codes and scales [tokens, 1] of x [tokens, in] in five operations: bit for
-    bit what `choose_qparams` + `quantize` give (the max-norm is max |x| exactly; the same division and rounding),
-    without their general-purpose grouping, which costs more than the GEMM at decode time. Their clamp is left out
-    because it never binds: scale >= max|x| / 127 up to one rounding, so |x / scale| <= 127.5 and the rounded
-    codes lie in [-128, 127] (tested on adversarial inputs)."""
-    scale = (torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / 127).clamp_(min=MIN_SCALE)
+def quantize_rows_symmetric(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-token codes (int8, of `bits` bits) and scales [tokens, 1] of x [tokens, in] in five
+    operations: bit for bit what `choose_qparams` + `quantize` give (the max-norm is max |x| exactly; the same
+    division and rounding), without their general-purpose grouping, which costs more than the GEMM at decode time.
+    Their clamp is left out because it never binds: scale >= max|x| / qmax up to one rounding, so |x / scale| <=
+    qmax + 0.5 and the rounded codes lie in [-qmax - 1, qmax] (tested on adversarial inputs)."""
+    scale = (torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / qrange(bits)[1]).clamp_(min=MIN_SCALE)
     return torch.round(x / scale).to(torch.int8), scale
 
 
@@ -48,7 +48,7 @@ class Int8DynamicActKernel:
 
     def supports(self, layer) -> bool:
         act = layer.scheme.act
-        return (layer.scheme.bits == 8 and _per_row_weights(layer) and act is not None
+        return (layer.scheme.bits == 8 and _per_row_weights(layer) and act is not None and act.bits == 8
                 and isinstance(act.granularity, PerToken | PerTensor))
 
     def prepare(self, layer) -> dict:
@@ -69,7 +69,7 @@ class Int8DynamicActKernel:
         fused = native.ops() if prepared["rows"] and "zero" not in prepared else None
         if fused is not None:
             with scope(QUANTIZE_ACTIVATIONS):
-                qx, x_scale = fused.quantize_rows(x, MIN_SCALE)
+                qx, x_scale = fused.quantize_rows(x, MIN_SCALE, 127)
             return fused.dequantize_rows(torch._int_mm(qx, prepared["wt"]), x_scale, prepared["scale"])
         with scope(QUANTIZE_ACTIVATIONS):
             if prepared["rows"]:
@@ -183,10 +183,11 @@ def tile_int4_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 class NativeInt4Int8Kernel:
-    """W4A8 on the native integer matmul: dynamic symmetric int8 activations per token (the fused quantize_rows),
-    4-bit group-wise weights unpacked to bytes in registers, int32 sums per group (VNNI where the CPU has it) scaled
-    in fp32: the reference kernel's integer product, exact per group (bit for bit with per-channel weights; with
-    groups, the fp32 sum over groups may round differently). Groups must be multiples of 8 wide (or span the row)."""
+    """W4A8 (and W4A4) on the native integer matmul: dynamic symmetric int8 (or 4-bit) activations per token (the
+    fused quantize_rows), 4-bit group-wise weights unpacked to bytes in registers, int32 sums per group (VNNI where
+    the CPU has it) scaled in fp32: the reference kernel's integer product, exact per group (bit for bit with
+    per-channel weights; with groups, the fp32 sum over groups may round differently). Groups must be multiples of 8
+    wide (or span the row)."""
 
     name = "cpu_native_w4a8"
 
@@ -211,7 +212,7 @@ class NativeInt4Int8Kernel:
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         ops = native.built()  # a layer that chose this kernel keeps it if the switch is turned off later
         with scope(QUANTIZE_ACTIVATIONS):
-            qx, x_scale = ops.quantize_rows(x, MIN_SCALE)
+            qx, x_scale = ops.quantize_rows(x, MIN_SCALE, qrange(layer.scheme.act.bits)[1])
         with scope(NATIVE_GEMM):
             return ops.int4_int8_matmul(qx, x_scale, prepared["tiled"], prepared["scales"], prepared["offsets"],
                                         layer.group_size, layer.out_features)

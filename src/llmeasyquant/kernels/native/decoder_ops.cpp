@@ -333,7 +333,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 // ==== activation rows: int8 quantize / dequantize (W8A8) ====
 
 // x: [width] fp32, scale: fp32 -> codes: [width] int8
-// codes[i] = round(x[i] / scale), ties to even, for |x[i] / scale| <= 127.5: IEEE division and the current
+// codes[i] = round(x[i] / scale), ties to even, for |x[i] / scale| <= qmax + 0.5: IEEE division and the current
 // (nearest-even) rounding mode, as PyTorch's div and round.
 void codes_of_row(const float* x, float scale, int64_t width, int8_t* codes) {
   int64_t i = 0;
@@ -348,11 +348,13 @@ void codes_of_row(const float* x, float scale, int64_t width, int8_t* codes) {
   for (; i < width; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(x[i] / scale));
 }
 
-// x: [rows, in] fp32, min_scale: double -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
-// Dynamic symmetric per-row int8 codes and scales [rows, 1] of x [rows, in], bit for bit what
-// kernels/cpu.py's quantize_rows_symmetric computes: scale = max(max|x| / 127, min_scale), codes = round(x / scale)
-// with ties to even (the same IEEE division and rounding).
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double min_scale) {
+// x: [rows, in] fp32, min_scale: double, qmax: 127 (int8 codes) or 7 (4-bit codes in int8)
+// -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
+// Dynamic symmetric per-row codes and scales [rows, 1] of x [rows, in], bit for bit what kernels/cpu.py's
+// quantize_rows_symmetric computes: scale = max(max|x| / qmax, min_scale), codes = round(x / scale) with ties to even
+// (the same IEEE division and rounding).
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double min_scale, int64_t qmax) {
+  TORCH_CHECK(qmax >= 1 && qmax <= 127, "qmax must lie in [1, 127], got ", qmax);
   const at::Tensor x = input(x_in, at::kFloat, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   const int64_t rows = x.size(0), width = x.size(1);
@@ -367,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double 
       float top = 0.0f;  // max is exact in any order, so the vectorised reduction changes nothing
 #pragma omp simd reduction(max : top)
       for (int64_t i = 0; i < width; ++i) top = std::max(top, std::fabs(row[i]));
-      const float scale = std::max(top / 127.0f, static_cast<float>(min_scale));
+      const float scale = std::max(top / static_cast<float>(qmax), static_cast<float>(min_scale));
       ps[r] = scale;
       codes_of_row(row, scale, width, pc + r * width);
     }
