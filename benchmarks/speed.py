@@ -49,6 +49,8 @@ RUNS = (  # (row name, body scheme, LM head scheme or None)
     ("w8a8 + head", "w8a8", "w8a16"),
     ("w4a16-g64-asym + head", "w4a16-g64-asym", "w8a16"),
     ("w4a16-g128 + head", "w4a16-g128", "w8a16"),
+    ("w4a8-g64-asym + head", "w4a8-g64-asym", "w8a16"),
+    ("w4a8-g128 + head", "w4a8-g128", "w8a16"),
 )
 LOOP_COMPARED = "w8a8 + head"  # also timed on transformers' loop
 # Also timed on the lean loop with the fused C++ operators off (runtime "lean-pytorch"), to show their share.

@@ -14,6 +14,7 @@ import llmeasyquant as lq
 from cli_helpers import assert_one_line_error, run
 from llmeasyquant.cli import main
 from llmeasyquant.export.checkpoint import QCONFIG_FILE, WEIGHTS_FILE, checkpoint_bytes
+from llmeasyquant.nn.qlinear import quantized_layers
 from llmeasyquant.record import read_records
 
 EVAL_ARGS = ["--seqlen", "32", "--max-windows", "3"]
@@ -225,6 +226,25 @@ def test_kv_option_errors(capsys, llama_folder: Path, tmp_path: Path, args: list
     code, _, err = run(capsys, "quantize", llama_folder, *args, "--out", tmp_path / "out")
     assert_one_line_error(code, err, *needles)
     assert not (tmp_path / "out").exists()
+
+
+def test_quantize_preset_is_its_recipe_and_refuses_contradicting_options(capsys, llama_folder: Path, wiki_text: Path,
+                                                                         tmp_path: Path) -> None:
+    """`--preset w4a8-g64` quantizes with the recipe the presets table names (rotation, GPTQ, W4A8 g64 asymmetric,
+    the head in W8A16), on the shipped calibration text unless --calib says otherwise; an option that contradicts
+    it is a one-line error."""
+    out = tmp_path / "preset"
+    assert main(["--quiet", "quantize", str(llama_folder), "--preset", "w4a8-g64", "--calib", str(wiki_text),
+                 "--calib-samples", "2", "--calib-seqlen", "32", "--out", str(out)]) == 0
+    model, _ = lq.load(out)
+    assert [r["method"] for r in model.llmeasyquant.recipe] == ["rotate", "gptq"]
+    layers = quantized_layers(model)
+    assert layers["lm_head"].scheme == lq.parse_scheme("w8a16")
+    assert {layer.scheme.name for name, layer in layers.items() if name != "lm_head"} == {"w4a8-g64-asym"}
+    code, _, err = run(capsys, "quantize", llama_folder, "--preset", "w4a8-g64", "--bits", "8", "--lm-head", "w8a16",
+                       "--out", tmp_path / "other")
+    assert_one_line_error(code, err, "--preset w4a8-g64 sets the recipe", "drop --bits or drop --preset")
+    assert not (tmp_path / "other").exists()
 
 
 # errors ------------------------------------------------------------------------------------------------------

@@ -31,7 +31,13 @@ def add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> Non
 
 
 def add_scheme_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="rtn", help=METHOD_HELP)
+    from llmeasyquant.presets import QUANTIZE_PRESETS
+
+    p.add_argument("--preset", choices=tuple(QUANTIZE_PRESETS), help="the recipe measured best for a bit budget "
+                   "(docs/methods.md, 'Presets'), calibrated on --calib (default wikitext2): " + "; ".join(
+                       f"{p.name}: {p.options} ({p.measured})" for p in QUANTIZE_PRESETS.values())
+                   + ". Replaces --method and the scheme options")
+    p.add_argument("--method", help=METHOD_HELP)
     p.add_argument("--bits", type=int, help="weight bits: 2, 3, 4 or 8 (default 8). With none of --bits, "
                    "--group-size, --asym, --act-bits, --act-mode the method's own scheme is used: rtn w8a16, gptq "
                    "w4a16-g128, awq w4a16-g128-asym, smoothquant w8a8, zeroquant w4a8-g64")

@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 
 from llmeasyquant.cli.options import DEFAULT_MODEL, add_scheme_options
-from llmeasyquant.cli.resolve import build_calibration, build_recipe, build_scheme_or_plan, build_simquant
+from llmeasyquant.cli.resolve import (
+    apply_preset,
+    build_calibration,
+    build_recipe,
+    build_scheme_or_plan,
+    build_simquant,
+)
 from llmeasyquant.errors import LLMEasyQuantError
 
 log = logging.getLogger("llmeasyquant")
@@ -34,6 +40,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from llmeasyquant.infra.files import check_output
     from llmeasyquant.record import Record, write_records
 
+    apply_preset(args)
     recipe = build_recipe(args)
     plan = build_scheme_or_plan(args, recipe)
     kv = build_simquant(args)
@@ -63,9 +70,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(f"saved {folder} ({'+'.join(m.name for m in recipe)}, {what}): {metrics['checkpoint_bytes'] / 2**20:.1f} MB, "
           f"{metrics['bits_per_weight']:.3f} bits per quantized weight, quantized in {metrics['quantize_s']:.1f} s")
     if args.json:
-        protocol = {"method": args.method, "recipe": model.llmeasyquant.recipe, "plan": model.llmeasyquant.plan,
-                    "seed": args.seed,
-                    "calib": args.calib, "calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
+        protocol = {"method": args.method, "preset": args.preset, "recipe": model.llmeasyquant.recipe,
+                    "plan": model.llmeasyquant.plan, "seed": args.seed, "calib": args.calib,
+                    "calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
         write_records(args.json, Record.new("quantize", args.model, metrics, protocol, args.command_line))
 
 

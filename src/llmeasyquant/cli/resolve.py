@@ -84,11 +84,40 @@ def method_options(args: argparse.Namespace) -> dict:
     return {key: value for key, value in given.items() if value is not None}
 
 
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fill in the method, scheme, LM head, KV bits and calibration text that `--preset` names (presets.py); an
+    option that would contradict it is an error, not silently overridden."""
+    from llmeasyquant.presets import preset
+    from llmeasyquant.scheme import parse_scheme
+
+    if getattr(args, "preset", None) is None:
+        return
+    chosen = preset(args.preset)
+    given = [flag for flag, value in (("--method", args.method), ("--bits", args.bits), ("--group-size",
+             args.group_size), ("--asym", args.asym or None), ("--act-bits", args.act_bits), ("--plan", args.plan),
+             ("--act-mode", args.act_mode), ("--static", args.static or None)) if value is not None]
+    for flag, mine, theirs in (("--lm-head", args.lm_head, chosen.lm_head), ("--kv-bits", args.kv_bits,
+                                                                              chosen.kv_bits)):
+        if mine is not None and mine != theirs:
+            given.append(flag)
+    if given:
+        raise LLMEasyQuantError(f"--preset {chosen.name} sets the recipe ({chosen.options}); drop {', '.join(given)} "
+                                "or drop --preset and give the options yourself")
+    scheme = parse_scheme(chosen.scheme)
+    args.method, args.bits, args.group_size = chosen.method, scheme.bits, scheme.group_size
+    args.asym, args.act_bits = not scheme.symmetric, 16 if scheme.act is None else scheme.act.bits
+    args.lm_head, args.kv_bits = chosen.lm_head, chosen.kv_bits
+    args.calib = args.calib or "wikitext2"
+    log.info("preset %s: %s", chosen.name, chosen.options)
+
+
 def build_recipe(args: argparse.Namespace) -> list:
-    """The recipe `--method` names (`rtn`, `gptq`, `smoothquant`, `smoothquant+gptq`) with its options."""
+    """The recipe `--method` names (`rtn`, `gptq`, `smoothquant`, `smoothquant+gptq`; rtn when not given) with its
+    options."""
     from llmeasyquant.methods import recipe_by_name
     from llmeasyquant.scheme import ActMode
 
+    args.method = args.method or "rtn"
     recipe = recipe_by_name(args.method, **method_options(args))
     static = act_mode(args) is ActMode.STATIC
     if (any(m.needs_calibration for m in recipe) or static) and not args.calib:

@@ -1,0 +1,60 @@
+"""Named recipes for people who want the best measured result at a size without choosing methods and options:
+`llmeasyquant quantize MODEL --preset NAME --out DIR`.
+
+Each preset is the recipe that docs/RESULTS.md's "The accuracy frontier" table found best for its bit budget on
+SmolLM2-135M (40 windows of WikiText-2 raw test, calibration 64 x 512 tokens of WikiText-2 validation); the figure
+quoted with it is that measurement. Plain data: the CLI (cli/resolve.py `apply_preset`) turns it into the recipe,
+the plan and the KV cache exactly as the equivalent options would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.scheme import parse_scheme
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A recipe (`method`, as `--method` spells it), the body's scheme, the LM head's scheme (None: kept in float),
+    the KV cache's bits (None: float), and the measured result quoted in `--help` and docs/methods.md."""
+
+    name: str
+    method: str
+    scheme: str
+    lm_head: str | None
+    kv_bits: int | None
+    measured: str
+
+    @property
+    def options(self) -> str:
+        """The same recipe as explicit `quantize` options."""
+        scheme = parse_scheme(self.scheme)
+        text = f"--method {self.method} --bits {scheme.bits}"
+        if scheme.group_size:
+            text += f" --group-size {scheme.group_size}"
+        if not scheme.symmetric:
+            text += " --asym"
+        if scheme.act is not None:
+            text += f" --act-bits {scheme.act.bits}"
+        if self.lm_head:
+            text += f" --lm-head {self.lm_head}"
+        if self.kv_bits:
+            text += f" --kv-bits {self.kv_bits}"
+        return text + " --calib wikitext2"
+
+
+QUANTIZE_PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("w4a16-g64", "rotate+gptq", "w4a16-g64-asym", "w8a16", None, "to be measured"),
+    Preset("w3a16-g64", "rotate+gptq", "w3a16-g64-asym", "w8a16", None, "to be measured"),
+    Preset("w4a8-g64", "rotate+gptq", "w4a8-g64-asym", "w8a16", None, "to be measured"),
+    Preset("w4a4-kv4", "rotate+gptq", "w4a4-g64-asym", "w8a16", 4, "to be measured"),
+)}
+
+
+def preset(name: str) -> Preset:
+    """The preset called `name`, or a ConfigError listing them."""
+    if name not in QUANTIZE_PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(QUANTIZE_PRESETS)}")
+    return QUANTIZE_PRESETS[name]
