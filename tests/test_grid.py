@@ -91,7 +91,7 @@ def test_grid_codes_scales_and_tables(grid):
         assert torch.equal(qp.levels.half().float(), qp.levels)
         assert bool((qp.levels[:, 1:] >= qp.levels[:, :-1]).all())
     # Each value takes its nearest level: no other code gives a smaller error.
-    rows, cols = w.shape
+    rows = w.shape[0]
     levels = qp.levels.expand(rows, 16)
     scale = qp.scale.repeat_interleave(64, dim=1)
     candidates = levels[:, None, :] * scale[..., None]  # [rows, cols, 16]

@@ -160,7 +160,6 @@ def learned_params(x: torch.Tensor, width: int, importance: torch.Tensor | None 
     """(scales [rows, groups], levels [rows, 16]) of a learned grid, both fp16-exact: tables fitted to x divided by
     the group absmax and normalised to a largest magnitude of 1, scales searched on them, then the tables refitted
     for those scales."""
-    rows, cols = x.shape
     absmax = _grouped(x.float().abs(), width).amax(dim=-1)
     start_scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     levels = fit_row_levels(x, start_scale, width, nf4_levels(), importance)

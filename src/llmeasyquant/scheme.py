@@ -157,7 +157,8 @@ class QuantScheme:
         """The checkpoint's form. The activation mode is written as `dynamic` (true or false) plus, for online ranges
         only, `online: true` and the EMA's options: the keys checkpoints have always held. `grid` only when set, so
         uniform schemes keep their old form (and a checkpoint without the key loads as uniform)."""
-        return ({"grid": self.grid} if self.grid is not None else {}) | {"bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
+        grid = {"grid": self.grid} if self.grid is not None else {}
+        return grid | {"bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
                 "act": None if self.act is None else {
                     "bits": self.act.bits, "symmetric": self.act.symmetric,
                     "dynamic": self.act.mode is ActMode.DYNAMIC,
