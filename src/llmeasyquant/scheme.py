@@ -158,7 +158,8 @@ class QuantScheme:
         only, `online: true` and the EMA's options: the keys checkpoints have always held. `grid` only when set, so
         uniform schemes keep their old form (and a checkpoint without the key loads as uniform)."""
         grid = {"grid": self.grid} if self.grid is not None else {}
-        return grid | {"bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
+        return grid | {
+                "bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
                 "act": None if self.act is None else {
                     "bits": self.act.bits, "symmetric": self.act.symmetric,
                     "dynamic": self.act.mode is ActMode.DYNAMIC,
