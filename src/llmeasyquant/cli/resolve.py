@@ -42,10 +42,11 @@ def _body_scheme_or_plan(args: argparse.Namespace, recipe: list):
     if args.plan is not None:
         return Plan.load(args.plan)
     mode = act_mode(args)
-    if (args.bits, args.group_size, args.act_bits, mode) == (None, None, None, None) and not args.asym:
+    grid = getattr(args, "grid", None)
+    if (args.bits, args.group_size, args.act_bits, mode, grid) == (None,) * 5 and not args.asym:
         return default_scheme(recipe)
     return make_scheme(8 if args.bits is None else args.bits, args.group_size, not args.asym,
-                       16 if args.act_bits is None else args.act_bits, act_mode=mode,
+                       16 if args.act_bits is None else args.act_bits, act_mode=mode, grid=grid,
                        momentum=args.act_momentum, eps=args.act_eps, std_floor=args.act_std_floor)
 
 
