@@ -319,3 +319,38 @@ def test_config_error_is_value_error():
     # Callers that catch ValueError (argparse-style) still see it.
     with pytest.raises(ValueError):
         parse_scheme("nonsense")
+
+
+# non-uniform 4-bit grids ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("grid", ["nf4", "iq4nl", "learned"])
+def test_grid_scheme_name_and_dict_round_trip(grid):
+    scheme = QuantScheme(bits=4, granularity=PerGroup(64), grid=grid)
+    assert scheme.name == f"w4a16-g64-{grid}"
+    assert parse_scheme(scheme.name) == scheme
+    assert QuantScheme.from_dict(scheme.to_dict()) == scheme
+    assert make_scheme(4, 64, grid=grid) == scheme
+
+
+def test_checkpoint_without_grid_key_loads_uniform():
+    data = QuantScheme(bits=4, granularity=PerGroup(64)).to_dict()
+    assert "grid" not in data
+    assert QuantScheme.from_dict(data).grid is None
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"bits": 8}, "needs 4-bit weights"),
+    ({"bits": 4, "symmetric": False}, "drop --asym"),
+    ({"bits": 4, "act": ActScheme()}, "drop --act-bits"),
+    ({"bits": 4, "granularity": PerTensor()}, "not per tensor"),
+])
+def test_grid_refuses_what_it_cannot_hold(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        QuantScheme(grid="nf4", **kwargs)
+
+
+def test_unknown_grid_names_the_choices():
+    with pytest.raises(ConfigError, match="nf4, iq4nl, learned"):
+        QuantScheme(bits=4, grid="nf3")
+    with pytest.raises(ConfigError, match="more than one grid"):
+        parse_scheme("w4a16-g64-nf4-iq4nl")

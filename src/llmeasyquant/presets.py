@@ -36,6 +36,8 @@ class Preset:
             text += f" --group-size {scheme.group_size}"
         if not scheme.symmetric:
             text += " --asym"
+        if scheme.grid is not None:
+            text += f" --grid {scheme.grid}"
         if scheme.act is not None:
             text += f" --act-bits {scheme.act.bits}"
         if self.lm_head:

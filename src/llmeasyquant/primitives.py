@@ -2,6 +2,7 @@
 
 Codes live in the signed domain [-2^(b-1), 2^(b-1) - 1] for every bit width, with an integer zero point
 (0 when symmetric), so that x ≈ (q - zero) * scale. Tensors are 2-D [rows, cols]; groups run along cols.
+With a non-uniform 4-bit grid (QParams.levels, grid.py) x ≈ levels[q + 8] * scale instead.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from llmeasyquant.errors import DataError
+from llmeasyquant.grid import grid_codes, grid_params, grid_values
 from llmeasyquant.scheme import Granularity, PerChannel, PerGroup, PerTensor, PerToken
 
 # Smallest positive fp16 value: a scale below it would round to zero when stored.
@@ -24,11 +26,13 @@ def qrange(bits: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class QParams:
-    """Scales [rows, groups] (float32), zero points [rows, groups] (int32, None when symmetric), group width."""
+    """Scales [rows, groups] (float32), zero points [rows, groups] (int32, None when symmetric), group width, and for
+    a non-uniform grid its levels [1, 16] (shared) or [rows, 16] (per row), float32 (then no zero points)."""
 
     scale: torch.Tensor
     zero: torch.Tensor | None
     group_size: int
+    levels: torch.Tensor | None = None
 
 
 def group_width(granularity: Granularity, cols: int) -> int:
@@ -74,12 +78,23 @@ def group_ranges(x: torch.Tensor, granularity: Granularity) -> tuple[torch.Tenso
 
 
 def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity,
-                   scale_dtype: torch.dtype | None = torch.float16) -> QParams:
+                   scale_dtype: torch.dtype | None = torch.float16, grid: str | None = None,
+                   importance: torch.Tensor | None = None) -> QParams:
     """Scales and zero points from the min/max of each group.
 
     The range always includes zero so that zero is exact. Scales are rounded to `scale_dtype` (the storage
     type) before codes are computed, so stored weights dequantize to exactly what was evaluated.
+    With a `grid` (4-bit, symmetric) the scales (and a learned grid's tables) are searched by grid.py instead, for the
+    least squared error weighted per column by `importance` [cols] (e.g. GPTQ's Hessian diagonal); always fp16-exact.
     """
+    if grid is not None:
+        if x.dim() != 2:
+            raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+        width = group_width(granularity, x.shape[1])
+        if isinstance(granularity, PerTensor):
+            raise ValueError("a grid's scales are per group or per channel, not per tensor")
+        scale, levels = grid_params(x.detach().float(), grid, width, importance)
+        return QParams(scale=scale, zero=None, group_size=width, levels=levels)
     lo, hi, width = group_ranges(x, granularity)
     qmin, qmax = qrange(bits)
     scale = torch.maximum(-lo, hi) / qmax if symmetric else (hi - lo) / (qmax - qmin)
@@ -100,8 +115,10 @@ def expand_groups(params: torch.Tensor, width: int, rows: int, cols: int) -> tor
 
 
 def quantize(x: torch.Tensor, qp: QParams, bits: int) -> torch.Tensor:
-    """Float [rows, cols] -> int8 codes in the signed range of `bits`."""
+    """Float [rows, cols] -> int8 codes in the signed range of `bits` (on a grid: the nearest level's index - 8)."""
     rows, cols = x.shape
+    if qp.levels is not None:
+        return grid_codes(x, expand_groups(qp.scale, qp.group_size, rows, cols), qp.levels)
     qmin, qmax = qrange(bits)
     q = torch.round(x.float() / expand_groups(qp.scale, qp.group_size, rows, cols))
     if qp.zero is not None:
@@ -110,8 +127,10 @@ def quantize(x: torch.Tensor, qp: QParams, bits: int) -> torch.Tensor:
 
 
 def dequantize(codes: torch.Tensor, qp: QParams) -> torch.Tensor:
-    """int8 codes [rows, cols] -> float32 values (q - zero) * scale."""
+    """int8 codes [rows, cols] -> float32 values (q - zero) * scale (on a grid: levels[q + 8] * scale)."""
     rows, cols = codes.shape
+    if qp.levels is not None:
+        return grid_values(codes, expand_groups(qp.scale, qp.group_size, rows, cols), qp.levels)
     q = codes.float()
     if qp.zero is not None:
         q = q - expand_groups(qp.zero, qp.group_size, rows, cols)
@@ -119,11 +138,11 @@ def dequantize(codes: torch.Tensor, qp: QParams) -> torch.Tensor:
 
 
 def fake_quantize(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity,
-                  scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  scale_dtype: torch.dtype | None = None, grid: str | None = None) -> torch.Tensor:
     """Quantize then dequantize; for error measurement and for the reference path of activations."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    qp = choose_qparams(flat, bits, symmetric, granularity, scale_dtype)
+    qp = choose_qparams(flat, bits, symmetric, granularity, scale_dtype, grid=grid)
     return dequantize(quantize(flat, qp, bits), qp).reshape(shape).to(x.dtype)
 
 

@@ -10,6 +10,9 @@ from llmeasyquant.errors import ConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 ACT_BITS = (4, 8)  # activation bit widths; 4-bit codes are stored and multiplied as int8
+# Non-uniform 4-bit weight grids (grid.py): a weight is table[code] * scale. 'nf4' the NormalFloat levels (QLoRA),
+# 'iq4nl' llama.cpp's IQ4_NL table, 'learned' a 16-level table per row fitted to the weights.
+GRIDS = ("nf4", "iq4nl", "learned")
 
 
 @dataclass(frozen=True)
@@ -114,11 +117,14 @@ class QuantScheme:
     symmetric: bool = True
     granularity: Granularity = field(default_factory=PerChannel)
     act: ActScheme | None = None
+    grid: str | None = None  # None: uniform integer codes; else one of GRIDS (4-bit, symmetric, weight-only)
 
     def __post_init__(self) -> None:
         _check_bits(self.bits, "weight")
         if isinstance(self.granularity, PerToken):
             raise ConfigError("weights cannot be quantized per token; use per-tensor, per-channel or per-group")
+        if self.grid is not None:
+            _check_grid(self)
 
     @property
     def static_act(self) -> bool:
@@ -145,12 +151,17 @@ class QuantScheme:
             text += "-pt"
         if not self.symmetric:
             text += "-asym"
+        if self.grid is not None:
+            text += f"-{self.grid}"
         return text
 
     def to_dict(self) -> dict:
         """The checkpoint's form. The activation mode is written as `dynamic` (true or false) plus, for online ranges
-        only, `online: true` and the EMA's options: the keys checkpoints have always held."""
-        return {"bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
+        only, `online: true` and the EMA's options: the keys checkpoints have always held. `grid` only when set, so
+        uniform schemes keep their old form (and a checkpoint without the key loads as uniform)."""
+        grid = {"grid": self.grid} if self.grid is not None else {}
+        return grid | {
+                "bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
                 "act": None if self.act is None else {
                     "bits": self.act.bits, "symmetric": self.act.symmetric,
                     "dynamic": self.act.mode is ActMode.DYNAMIC,
@@ -170,7 +181,26 @@ class QuantScheme:
                 granularity=granularity_from_str(act["granularity"]),
                 momentum=float(act.get("momentum", 0.9)), eps=float(act.get("eps", 1e-5)),
                 std_floor=bool(act.get("std_floor", False))),
+            grid=data.get("grid"),
         )
+
+
+def _check_grid(scheme: QuantScheme) -> None:
+    """A non-uniform grid is a 16-entry table of symmetric (zero-point free) weight levels run on float activations."""
+    if scheme.grid not in GRIDS:
+        raise ConfigError(f"unknown weight grid {scheme.grid!r}; choose one of {', '.join(GRIDS)} (or none for "
+                          "uniform integer codes)")
+    if scheme.bits != 4:
+        raise ConfigError(f"the {scheme.grid} grid has 16 levels: it needs 4-bit weights (--bits 4), got "
+                          f"{scheme.bits} bits")
+    if not scheme.symmetric:
+        raise ConfigError(f"the {scheme.grid} grid is scaled, not shifted (no zero points): drop --asym")
+    if isinstance(scheme.granularity, PerTensor):
+        raise ConfigError(f"the {scheme.grid} grid takes one scale per group or per channel, not per tensor: use "
+                          "--group-size or per-channel weights")
+    if scheme.act is not None:
+        raise ConfigError(f"the {scheme.grid} grid runs weight-only (float activations, a table-lookup kernel): "
+                          "drop --act-bits")
 
 
 def granularity_to_str(g: Granularity) -> str:
@@ -188,15 +218,15 @@ def granularity_from_str(text: str) -> Granularity:
     return table[text]()
 
 
-_SUFFIX = r"-(g-?\d+|pt|asym|sym|apt|aasym|astatic|aonline)"
+_SUFFIX = rf"-(g-?\d+|pt|asym|sym|apt|aasym|astatic|aonline|{'|'.join(GRIDS)})"
 _SCHEME_RE = re.compile(rf"^w(\d+)a(\d+)((?:{_SUFFIX})*)$")
 
 
 def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
                 act_bits: int | None = None, static_act: bool = False, act_mode: ActMode | str | None = None,
-                **online: float | bool) -> QuantScheme:
+                grid: str | None = None, **online: float | bool) -> QuantScheme:
     """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`, `--act-mode` (or
-    `--static`); `online` takes the online mode's `momentum`, `eps` and `std_floor`."""
+    `--static`), `--grid`; `online` takes the online mode's `momentum`, `eps` and `std_floor`."""
     mode = ActMode.parse(act_mode or (ActMode.STATIC if static_act else ActMode.DYNAMIC))
     if group_size is not None:
         granularity: Granularity = PerGroup(group_size)
@@ -210,16 +240,17 @@ def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True
         act = ActScheme(bits=act_bits)
     else:
         act = ActScheme(bits=act_bits, mode=mode, granularity=PerTensor(), **(online if mode is ActMode.ONLINE else {}))
-    return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act)
+    return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act, grid=grid)
 
 
 def parse_scheme(name: str) -> QuantScheme:
-    """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt`, `w8a8-astatic` (case-insensitive)."""
+    """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt`, `w8a8-astatic`, `w4a16-g64-nf4`
+    (case-insensitive)."""
     match = _SCHEME_RE.match(name.strip().lower())
     if not match:
         raise ConfigError(
-            f"cannot read scheme {name!r}; write it as w<bits>a<act bits>[-g<group size>][-asym], "
-            "e.g. w8a16, w8a8, w4a16-g64, w4a16-g128-asym"
+            f"cannot read scheme {name!r}; write it as w<bits>a<act bits>[-g<group size>][-asym][-<grid>], "
+            f"e.g. w8a16, w8a8, w4a16-g64, w4a16-g128-asym, w4a16-g64-nf4 (grids: {', '.join(GRIDS)})"
         )
     bits, act_bits = int(match.group(1)), int(match.group(2))
     parts = re.findall(_SUFFIX, match.group(3))
@@ -238,7 +269,10 @@ def parse_scheme(name: str) -> QuantScheme:
     elif {"apt", "aasym", "astatic", "aonline"} & set(parts):
         raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -astatic, -aonline) without "
                           "quantized activations")
-    return QuantScheme(bits, symmetric, granularity, act)
+    grids = [part for part in parts if part in GRIDS]
+    if len(grids) > 1:
+        raise ConfigError(f"scheme {name!r} names more than one grid ({', '.join(grids)}); give one")
+    return QuantScheme(bits, symmetric, granularity, act, grids[0] if grids else None)
 
 
 W8A16 = QuantScheme(bits=8)

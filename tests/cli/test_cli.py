@@ -350,3 +350,34 @@ def test_record_command_is_the_command_that_ran(capsys, llama_folder: Path, tmp_
     assert code == 0
     command = read_records(record_path)[0].command
     assert "quantize" in command and str(out) in command
+
+
+# non-uniform grids ---------------------------------------------------------------------------------------------
+
+
+def test_cli_grid_quantizes_rtn_and_gptq(llama_folder, wiki_text, tmp_path, capsys):
+    out = tmp_path / "nf4"
+    assert main(["--quiet", "quantize", str(llama_folder), "--bits", "4", "--group-size", "32", "--grid", "nf4",
+                 "--out", str(out)]) == 0
+    model, _ = lq.load(out)
+    schemes = {m.scheme.name for m in model.modules() if isinstance(m, lq.QuantLinear)}
+    assert schemes == {"w4a16-g32-nf4"}
+    gptq = tmp_path / "gptq"
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "gptq", "--bits", "4", "--group-size", "32",
+                 "--grid", "learned", "--calib", str(wiki_text), "--calib-samples", "2", "--calib-seqlen", "32",
+                 "--out", str(gptq)]) == 0
+    layers = [m for m in lq.load(gptq)[0].modules() if isinstance(m, lq.QuantLinear)]
+    assert {m.scheme.grid for m in layers} == {"learned"} and all(m.levels is not None for m in layers)
+
+
+def test_cli_grid_needs_four_bits(llama_folder, tmp_path, capsys):
+    assert main(["--quiet", "quantize", str(llama_folder), "--grid", "nf4", "--out", str(tmp_path / "x")]) == 2
+    assert "--bits 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["quantize", str(llama_folder), "--bits", "4", "--grid", "nf5", "--out", str(tmp_path / "y")])
+
+
+def test_cli_help_lists_grid(capsys):
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    assert "--grid" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from torch import nn
 
 import llmeasyquant as lq
 from llmeasyquant.export.checkpoint import QCONFIG_FILE, WEIGHTS_FILE, bits_per_weight, checkpoint_bytes
+from llmeasyquant.nn.qlinear import quantized_layers
 
 
 def _quantize(model: nn.Module, scheme: str, **kw) -> nn.Module:
@@ -390,3 +391,30 @@ def test_quantization_config_naming_a_module_that_is_not_linear(ckpt: Path) -> N
     (ckpt / QCONFIG_FILE).write_text(json.dumps(qconfig))
     with pytest.raises(lq.CheckpointError, match=r"model\.layers\.0\.mlp\.act_fn"):
         lq.load(ckpt)
+
+
+# non-uniform grids ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-iq4nl", "w4a16-g32-learned"])
+def test_grid_round_trip_gives_exactly_the_same_logits(tiny_llama, random_ids: torch.Tensor, tmp_path: Path,
+                                                       scheme: str) -> None:
+    model = _quantize(tiny_llama, scheme)
+    before = _logits(model, random_ids)
+    loaded, _ = lq.load(lq.save(model, tmp_path / "ckpt"))
+    assert torch.equal(_logits(loaded, random_ids), before)
+    for name, layer in quantized_layers(model).items():
+        theirs = quantized_layers(loaded)[name]
+        assert theirs.scheme == layer.scheme and theirs.scheme.grid == scheme.rsplit("-", 1)[1]
+        assert torch.equal(theirs.dequantize(), layer.dequantize())
+        if layer.levels is not None:
+            assert theirs.levels.dtype == torch.float16 and torch.equal(theirs.levels, layer.levels)
+
+
+def test_learned_grid_tables_count_in_bits_per_weight(tiny_llama) -> None:
+    model = _quantize(copy.deepcopy(tiny_llama), "w4a16-g32-learned")
+    layers = quantized_layers(model).values()
+    weights = sum(m.in_features * m.out_features for m in layers)
+    tables = sum(m.out_features * 16 * 16 for m in layers)  # 16 fp16 levels a row
+    assert bits_per_weight(model) == pytest.approx(4.5 + tables / weights, rel=1e-12)
+    assert bits_per_weight(_quantize(copy.deepcopy(tiny_llama), "w4a16-g32-nf4")) == pytest.approx(4.5)

@@ -349,3 +349,44 @@ def test_smollm2_in_llama_cpp_matches_our_quantized_model(wiki_text: Path, tmp_p
     # Measured on the bundled file itself, llama.cpp and PyTorch differ by ~0.4% ppl and ~97% top-1 agreement.
     assert ppl(theirs) == pytest.approx(ppl(ours), rel=0.02)
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.93
+
+
+# non-uniform grids -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g32-iq4nl", "w4a16-g64-iq4nl", "w4a16-iq4nl"])
+def test_iq4nl_grid_is_written_as_iq4_nl_bit_for_bit(make_model, scheme: str, tmp_path: Path) -> None:
+    model = _quantize(make_model("llama"), scheme)
+    result = export_gguf(model, None, tmp_path / "m.gguf")
+    layers = _layers(model)
+    assert sorted(result.lossless) == sorted(layers) and result.requantized == []
+    tensors = _tensors(result.path)
+    for name, layer in layers.items():
+        tensor = tensors[_gguf_name(name)]
+        assert tensor.tensor_type == QType.IQ4_NL
+        fields = {k: _as_hf(name, v) for k, v in unpack_blocks(tensor.data, QType.IQ4_NL, layer.in_features).items()}
+        assert np.array_equal(fields["q"], layer.codes().numpy() + 8)
+        # gguf's dequantization (d * kvalues_iq4nl[n], as llama.cpp's dequantize_row_iq4_nl) gives our weight exactly.
+        back = _as_hf(name, gguf.quants.dequantize(tensor.data, QType.IQ4_NL))
+        assert np.array_equal(back, layer.dequantize().numpy())
+    assert _field(result.path, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_IQ4_NL)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned", "w4a16-g48-iq4nl"])
+def test_other_grids_are_requantized_to_iq4_nl_and_noted(make_model, scheme: str, tmp_path: Path) -> None:
+    model = _quantize(make_model("llama"), scheme)
+    result = export_gguf(model, None, tmp_path / "m.gguf")
+    layers = _layers(model)
+    assert sorted(result.requantized) == sorted(layers) and result.lossless == []
+    assert any("re-quantized to IQ4_NL" in note for note in result.notes)
+    tensors = _tensors(result.path)
+    for name, layer in layers.items():
+        tensor = tensors[_gguf_name(name)]
+        assert tensor.tensor_type == QType.IQ4_NL
+        back = _as_hf(name, gguf.quants.dequantize(tensor.data, QType.IQ4_NL))
+        weight = layer.dequantize().numpy()
+        # One more rounding on IQ4_NL's grid: half its widest step (24 / 128) plus the at most 20% a block's scale
+        # search may clip of its largest value; on average far less.
+        absmax = np.abs(weight).max(axis=1, keepdims=True)
+        assert np.all(np.abs(back - weight) <= absmax * (12 / 128 + 0.2))
+        assert np.abs(back - weight).mean() < 0.1 * np.abs(weight).mean()

@@ -94,3 +94,20 @@ def test_each_method_has_a_default_scheme_used_when_none_is_given(llama_folder, 
                  "--calib-samples", "4", "--calib-seqlen", "32", "--out", str(out), "--force"]) == 0
     model, _ = lq.load(out)
     assert {m.scheme.name for m in model.modules() if isinstance(m, lq.QuantLinear)} == {"w3a16"}
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned"])
+def test_scale_search_on_a_grid_never_worsens_the_layer(scheme):
+    weight, h = layer_and_inputs()
+    s = lq.parse_scheme(scheme)
+    scales = search_scales({"w": weight}, h, {"w": s}, grid=10)
+    plain = output_error(weight, _rounded(weight, s), h)
+    assert output_error(weight, _rounded(weight * scales, s) / scales, h) <= plain
+
+
+def test_awq_and_rtn_on_a_grid_run_end_to_end(tiny_llama):
+    calib = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(4))
+    scheme = lq.parse_scheme("w4a16-g32-nf4")
+    model = lq.quantize(copy.deepcopy(tiny_llama), [lq.AWQ(), lq.RTN()], scheme, calib=calib, progress=False)
+    layers = [m for m in model.modules() if isinstance(m, lq.QuantLinear)]
+    assert layers and all(m.scheme.grid == "nf4" for m in layers)

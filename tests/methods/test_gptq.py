@@ -118,3 +118,25 @@ def test_cli_gptq_needs_calib_then_works(llama_folder, wiki_text, tmp_path, caps
 def test_act_order_is_the_default():
     """As in llm-compressor; without it symmetric 4-bit GPTQ on SmolLM2 is worse than round to nearest."""
     assert lq.GPTQ().act_order is True
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g48-iq4nl", "w4a16-g32-learned", "w4a16-nf4"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_on_a_grid_beats_rtn_on_the_same_grid(scheme, act_order):
+    width, out = 160, 48
+    weight = torch.randn(out, width, generator=torch.Generator().manual_seed(1)) * 0.05
+    x = correlated_inputs(512, width)
+    hessian = 2 * x.t() @ x / x.shape[0]
+    s = lq.parse_scheme(scheme)
+    codes, qp = gptq_solve(weight, hessian, s, block_size=32, act_order=act_order)
+    assert qp.levels is not None and qp.zero is None
+    assert codes.dtype == torch.int8 and int(codes.min()) >= -8 and int(codes.max()) <= 7
+    rtn = lq.QuantLinear.from_weight(weight, None, s).dequantize()
+    layer = lq.QuantLinear.from_codes(codes, qp, s, None)
+    gptq = layer.dequantize()
+    assert torch.equal(gptq, dequantize(codes, qp))  # the stored layer holds exactly the solved values
+    err_rtn = (x @ (rtn - weight).t()).pow(2).sum()
+    err_gptq = (x @ (gptq - weight).t()).pow(2).sum()
+    assert err_gptq < 0.9 * err_rtn, (float(err_gptq), float(err_rtn))
+    again, _ = gptq_solve(weight, hessian, s, block_size=32, act_order=act_order)
+    assert torch.equal(again, codes)

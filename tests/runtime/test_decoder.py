@@ -135,3 +135,17 @@ def test_a_batch_of_prompts_is_refused_not_joined():
     model = family_model("llama")
     with pytest.raises(ValueError, match="one sequence"):
         LeanDecoder(model, 64).generate(torch.randint(0, 256, (2, 8)), 4)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned"])
+def test_grid_layers_run_in_the_lean_decoder_as_in_transformers(scheme, fuse):
+    """Grid layers run through QuantLinear's kernels (the table-lookup W4A16 one) in the lean loop; fused groups
+    carry a learned grid's per-row tables as they carry the scales."""
+    model = lq.quantize(family_model("llama"), lq.RTN(), lq.parse_scheme(scheme), progress=False)
+    if fuse:
+        assert lq.fuse_shared_inputs(model) == 4
+    steps = [9, 100, 42]
+    for ours, theirs in zip(lean_logits(model, prompt(), steps), transformers_logits(model, prompt(), steps),
+                            strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.scheme import ActMode
+from llmeasyquant.scheme import GRIDS, ActMode
 
 if TYPE_CHECKING:
     from llmeasyquant.runtime.engine import Engine, EngineConfig
@@ -43,6 +43,10 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
                    "w4a16-g128, awq w4a16-g128-asym, smoothquant w8a8, zeroquant w4a8-g64")
     p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
+    p.add_argument("--grid", choices=GRIDS,
+                   help="with --bits 4: a non-uniform 16-level grid, weight = table[code] x scale (symmetric, one "
+                   "fp16 scale per group): 'nf4' NormalFloat levels, 'iq4nl' llama.cpp's IQ4_NL table (exported "
+                   "to GGUF IQ4_NL exactly), 'learned' a table per row fitted to the weights (default: uniform codes)")
     p.add_argument("--act-bits", type=int, choices=(4, 8, 16),
                    help="8: dynamic per-token int8 activations (W8A8, W4A8 on integer kernels); 4: 4-bit ones (W4A4: "
                    "with a rotation, --method rotate+gptq); 16: float activations")

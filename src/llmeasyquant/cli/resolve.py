@@ -42,10 +42,11 @@ def _body_scheme_or_plan(args: argparse.Namespace, recipe: list):
     if args.plan is not None:
         return Plan.load(args.plan)
     mode = act_mode(args)
-    if (args.bits, args.group_size, args.act_bits, mode) == (None, None, None, None) and not args.asym:
+    grid = getattr(args, "grid", None)
+    if (args.bits, args.group_size, args.act_bits, mode, grid) == (None,) * 5 and not args.asym:
         return default_scheme(recipe)
     return make_scheme(8 if args.bits is None else args.bits, args.group_size, not args.asym,
-                       16 if args.act_bits is None else args.act_bits, act_mode=mode,
+                       16 if args.act_bits is None else args.act_bits, act_mode=mode, grid=grid,
                        momentum=args.act_momentum, eps=args.act_eps, std_floor=args.act_std_floor)
 
 
@@ -95,7 +96,8 @@ def apply_preset(args: argparse.Namespace) -> None:
     chosen = preset(args.preset)
     given = [flag for flag, value in (("--method", args.method), ("--bits", args.bits), ("--group-size",
              args.group_size), ("--asym", args.asym or None), ("--act-bits", args.act_bits), ("--plan", args.plan),
-             ("--act-mode", args.act_mode), ("--static", args.static or None)) if value is not None]
+             ("--act-mode", args.act_mode), ("--static", args.static or None), ("--grid", args.grid))
+             if value is not None]
     for flag, mine, theirs in (("--lm-head", args.lm_head, chosen.lm_head), ("--kv-bits", args.kv_bits,
                                                                               chosen.kv_bits)):
         if mine is not None and mine != theirs:
@@ -106,6 +108,7 @@ def apply_preset(args: argparse.Namespace) -> None:
     scheme = parse_scheme(chosen.scheme)
     args.method, args.bits, args.group_size = chosen.method, scheme.bits, scheme.group_size
     args.asym, args.act_bits = not scheme.symmetric, 16 if scheme.act is None else scheme.act.bits
+    args.grid = scheme.grid
     args.lm_head, args.kv_bits = chosen.lm_head, chosen.kv_bits
     args.calib = args.calib or "wikitext2"
     log.info("preset %s: %s", chosen.name, chosen.options)

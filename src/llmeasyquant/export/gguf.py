@@ -65,7 +65,8 @@ _HPARAMS: tuple[tuple[str, GGUFValueType, Callable[[Any], Any]], ...] = (
     ("vocab_size", _U32, lambda c: c.vocab_size),
 )
 _FILE_TYPES = {QType.Q8_0: LlamaFileType.MOSTLY_Q8_0, QType.Q4_0: LlamaFileType.MOSTLY_Q4_0,
-               QType.Q4_1: LlamaFileType.MOSTLY_Q4_1, QType.F16: LlamaFileType.MOSTLY_F16}
+               QType.Q4_1: LlamaFileType.MOSTLY_Q4_1, QType.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
+               QType.F16: LlamaFileType.MOSTLY_F16}
 # Keys of a source GGUF that describe its tensors or file, not the model: never copied.
 _FILE_KEYS = ("GGUF.", "split.", "general.architecture", "general.file_type", "general.quantization_version",
               "general.alignment")
@@ -101,6 +102,7 @@ class _Tensors:
     requantized: list[str] = field(default_factory=list)
     as_f16: list[str] = field(default_factory=list)  # rows too short for any block type
     m_rounded: int = 0
+    requantized_grids: list[str] = field(default_factory=list)  # grid layers re-rounded to IQ4_NL
     consumed: set[str] = field(default_factory=set)  # state-dict keys accounted for
 
 
@@ -115,9 +117,12 @@ def _quantized(layer: QuantLinear, rows: torch.Tensor | None) -> Packed:
     # Rows move with their scales and zeros, so a row permutation keeps per-row groups exact.
     codes, qp = layer.codes().cpu(), layer.qparams()
     scale, zero = qp.scale.cpu(), None if qp.zero is None else qp.zero.cpu()
+    levels = None if qp.levels is None else qp.levels.cpu()
     if rows is not None:
         codes, scale, zero = codes[rows], scale[rows], None if zero is None else zero[rows]
-    return pack_layer(codes, QParams(scale, zero, qp.group_size), layer.scheme.bits, layer.scheme.symmetric)
+        levels = levels if levels is None or levels.shape[0] == 1 else levels[rows]
+    return pack_layer(codes, QParams(scale, zero, qp.group_size, levels), layer.scheme.bits, layer.scheme.symmetric,
+                      layer.scheme.grid)
 
 
 def _float(tensor: torch.Tensor, rows: torch.Tensor | None, matrix_type: QType) -> tuple[np.ndarray, QType]:
@@ -139,6 +144,8 @@ def _add_module(found: _Tensors, name: str, path: str, module: nn.Module, rows: 
         found.arrays[f"{name}.weight"] = (packed.data, packed.qtype)
         ledger = found.lossless if packed.exact else found.as_f16 if packed.qtype == QType.F16 else found.requantized
         ledger.append(path)
+        if packed.qtype == QType.IQ4_NL and not packed.exact:
+            found.requantized_grids.append(path)
         found.m_rounded += packed.m_rounded
         params = {"bias": module.bias} if module.bias is not None else {}
     for key, tensor in params.items():
@@ -325,8 +332,13 @@ def _write(path: Path, arch: str, meta: Meta, arrays: dict[str, tuple[np.ndarray
 def _report(found: _Tensors, notes: list[str]) -> None:
     if found.requantized:
         log.warning("%d layer(s) have no exact GGUF block type (only groups of a multiple of 32, symmetric 8-bit or "
-                    "2-4-bit, are exact) and were re-quantized by llama.cpp's rounding: %s",
+                    "2-4-bit, or the iq4nl grid, are exact) and were re-quantized by llama.cpp's rounding (IQ4_NL, "
+                    "for nf4 and learned grids: by our iq4nl rounding): %s",
                     len(found.requantized), ", ".join(found.requantized))
+    if found.requantized_grids:
+        notes.append(f"{len(found.requantized_grids)} layer(s) on a non-uniform grid other than iq4nl (or in groups "
+                     "not a multiple of 32) re-quantized to IQ4_NL blocks of 32 by our iq4nl rounding: "
+                     + ", ".join(found.requantized_grids))
     if found.as_f16:
         log.warning("%d layer(s) have rows whose length is not a multiple of 32, which no GGUF block type holds; "
                     "written as F16: %s", len(found.as_f16), ", ".join(found.as_f16))

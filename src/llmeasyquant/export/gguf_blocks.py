@@ -15,6 +15,16 @@ Q4_1's m is stored in fp16: (zero + 8) * scale is exact in fp32 but not always r
 fp16 rounding of it (codes and d stay bit-exact). Everything else is re-quantized from the dequantized weight:
 8-bit asymmetric (q - zero spans up to 255 levels, more than int8 holds) -> Q8_0; 2/3/4-bit with groups that are
 not a multiple of 32 -> Q4_0 / Q4_1 (the same storage class); rows whose length is not a multiple of 32 -> F16.
+
+Non-uniform grids (scheme.grid, grid.py): our value is levels[n] * scale with n = q + 8.
+  IQ4_NL: d, then 16 bytes of nibbles (Q4_0's order)  value = d * kvalues_iq4nl[n]
+  iq4nl grid, groups of k * 32                  -> IQ4_NL, d = scale / 128 (fp16-exact: grid.py picks such scales),
+                                                   n as it is; d * kvalue is the same fp32 product as our
+                                                   (kvalue / 128) * scale, so the weights are equal bit for bit
+  nf4 or learned grid, or iq4nl in other groups -> IQ4_NL re-quantized by our own iq4nl rounding (grid.py) per block
+                                                   of 32 from the dequantized weight: the nearest GGUF type
+gguf's Python quantizer has no IQ4_NL, hence our rounding, not llama.cpp's (which also refines d, a little
+differently).
 """
 
 from __future__ import annotations
@@ -26,7 +36,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
-from llmeasyquant.primitives import QParams, dequantize
+from llmeasyquant.grid import IQ4NL_DIVISOR, grid_params
+from llmeasyquant.primitives import QParams, dequantize, quantize
 
 BLOCK = 32  # weights per block in Q8_0, Q4_0 and Q4_1
 
@@ -41,11 +52,14 @@ class Packed:
     m_rounded: int = 0  # Q4_1 blocks whose m = -(zero + 8) * scale was not fp16-representable
 
 
-def block_type(bits: int, symmetric: bool, group_size: int, in_features: int) -> tuple[QType, bool]:
+def block_type(bits: int, symmetric: bool, group_size: int, in_features: int,
+               grid: str | None = None) -> tuple[QType, bool]:
     """The block type a layer is written in, and whether it holds the layer's codes exactly."""
     if in_features % BLOCK:
         return QType.F16, False
     aligned = group_size % BLOCK == 0
+    if grid is not None:
+        return QType.IQ4_NL, aligned and grid == "iq4nl"
     if bits == 8:
         return QType.Q8_0, aligned and symmetric
     return (QType.Q4_0 if symmetric else QType.Q4_1), aligned
@@ -83,6 +97,11 @@ def pack_exact(codes: torch.Tensor, qp: QParams, qtype: QType) -> Packed:
         return Packed(_rows([_fp16_bytes(d), qs]), qtype, exact=True)
     if qtype == QType.Q4_0:
         return Packed(_rows([_fp16_bytes(d), _nibbles(codes, blocks)]), qtype, exact=True)
+    if qtype == QType.IQ4_NL:
+        d = d / IQ4NL_DIVISOR  # a power of two: exact, and fp16-representable by the iq4nl grid's choice of scales
+        if not torch.equal(d.to(torch.float16).float(), d):
+            raise ValueError("iq4nl scales must be 128 x an fp16 number; quantize with the iq4nl grid of grid.py")
+        return Packed(_rows([_fp16_bytes(d), _nibbles(codes, blocks)]), qtype, exact=True)
     zero = _per_block(qp.zero, qp.group_size, blocks).float()
     m = -(zero + 8) * d  # exact in fp32: an 11-bit significand times an integer below 16
     rounded = int((m.to(torch.float16).float() != m).sum())
@@ -91,16 +110,22 @@ def pack_exact(codes: torch.Tensor, qp: QParams, qtype: QType) -> Packed:
 
 
 def requantize(weight: torch.Tensor, qtype: QType) -> Packed:
-    """Round a float weight [out, in] into `qtype` with gguf's reference quantizer (llama.cpp's rounding)."""
+    """Round a float weight [out, in] into `qtype` with gguf's reference quantizer (llama.cpp's rounding); IQ4_NL,
+    which gguf cannot quantize, with our iq4nl grid on blocks of 32."""
+    if qtype == QType.IQ4_NL:
+        weight = weight.detach().float()
+        scale, levels = grid_params(weight, "iq4nl", BLOCK)
+        qp = QParams(scale, None, BLOCK, levels)
+        return Packed(pack_exact(quantize(weight, qp, 4), qp, qtype).data, qtype, exact=False)
     array = weight.detach().float().numpy()
     if qtype == QType.F16:
         return Packed(array.astype(np.float16), qtype, exact=False)
     return Packed(quants.quantize(array, qtype), qtype, exact=False)
 
 
-def pack_layer(codes: torch.Tensor, qp: QParams, bits: int, symmetric: bool) -> Packed:
+def pack_layer(codes: torch.Tensor, qp: QParams, bits: int, symmetric: bool, grid: str | None = None) -> Packed:
     """A quantized weight in the GGUF block type that suits it: exactly where its layout allows, else re-rounded."""
-    qtype, exact = block_type(bits, symmetric, qp.group_size, codes.shape[1])
+    qtype, exact = block_type(bits, symmetric, qp.group_size, codes.shape[1], grid)
     if exact:
         return pack_exact(codes, qp, qtype)
     return requantize(dequantize(codes, qp), qtype)
@@ -109,7 +134,7 @@ def pack_layer(codes: torch.Tensor, qp: QParams, bits: int, symmetric: bool) -> 
 def unpack_blocks(data: np.ndarray, qtype: QType, in_features: int) -> dict[str, np.ndarray]:
     """Block bytes [out, bytes per row] -> their fields: d (fp16 [out, blocks]), m (Q4_1), q (int codes [out, in]).
 
-    q is the signed code for Q8_0 and the nibble n in [0, 15] for Q4_0 / Q4_1. For checks and tests."""
+    q is the signed code for Q8_0 and the nibble n in [0, 15] for Q4_0 / Q4_1 / IQ4_NL. For checks and tests."""
     out = data.shape[0]
     blocks = in_features // BLOCK
     raw = np.ascontiguousarray(data).reshape(out, blocks, -1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmeasyquant.grid import grid_levels
 from llmeasyquant.kernels import native
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS, scope
 from llmeasyquant.primitives import MIN_SCALE, qrange, quantize
@@ -144,7 +145,8 @@ class NativeInt4WeightOnlyKernel:
     weights are dequantized in registers and multiplied with fp32 activations (equal to the reference to fp32
     rounding, where PyTorch's int4 operator rounds activations, scales and outputs to bf16); above, the fp32 weight
     is dequantized into memory in one pass and multiplied by PyTorch's fp32 GEMM, as the reference does (bit for
-    bit its result, several times faster). 4-bit codes (2/3-bit layers store theirs densely: not taken)."""
+    bit its result, several times faster). 4-bit codes (2/3-bit layers store theirs densely: not taken); on a
+    non-uniform grid (scheme.grid) each group's table is levels x scale instead of (code - zero) x scale."""
 
     name = "cpu_native_w4a16"
     DIRECT_ROWS = 16
@@ -155,10 +157,12 @@ class NativeInt4WeightOnlyKernel:
 
     def prepare(self, layer) -> dict:
         zeros = layer.zeros.float().contiguous() if layer.zeros is not None else None
-        return {"scales": layer.scales.float().contiguous(), "zeros": zeros}
+        return {"scales": layer.scales.float().contiguous(), "zeros": zeros, "levels": _grid_levels(layer)}
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         ops = native.built()  # a layer that chose this kernel keeps it if the switch is turned off later
+        if prepared["levels"] is not None:
+            return self._run_levels(ops, layer, x, prepared)
         if x.shape[0] <= self.DIRECT_ROWS:
             with scope(NATIVE_GEMM):
                 return ops.int4_weight_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"],
@@ -167,6 +171,25 @@ class NativeInt4WeightOnlyKernel:
             weight = ops.dequantize_int4(layer.qweight, prepared["scales"], prepared["zeros"], layer.in_features,
                                          layer.group_size)
         return x @ weight.t()
+
+    def _run_levels(self, ops, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        if x.shape[0] <= self.DIRECT_ROWS:
+            with scope(NATIVE_GEMM):
+                return ops.int4_levels_matmul(x, layer.qweight, prepared["scales"], prepared["levels"],
+                                              layer.group_size)
+        with scope(LOAD_WEIGHTS):
+            weight = ops.dequantize_int4_levels(layer.qweight, prepared["scales"], prepared["levels"],
+                                                layer.in_features, layer.group_size)
+        return x @ weight.t()
+
+
+def _grid_levels(layer) -> torch.Tensor | None:
+    """A grid layer's levels as the native operators take them: fp32 [16] (a fixed table) or [out, 16] (learned)."""
+    if layer.scheme.grid is None:
+        return None
+    if layer.levels is not None:
+        return layer.levels.float().contiguous()
+    return grid_levels(layer.scheme.grid).to(layer.scales.device).contiguous()
 
 
 def tile_int4_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -232,7 +255,9 @@ class Int4WeightOnlyKernel:
     name = "cpu_int4pack_w4a16"
 
     def supports(self, layer) -> bool:
-        return layer.scheme.bits <= 4 and layer.scheme.act is None and self._group(layer) is not None
+        # The operator computes (u - 8) * scale + zf: uniform codes only, not a grid's table.
+        return (layer.scheme.bits <= 4 and layer.scheme.act is None and layer.scheme.grid is None
+                and self._group(layer) is not None)
 
     @staticmethod
     def _group(layer) -> int | None:

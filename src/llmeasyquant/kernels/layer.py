@@ -17,6 +17,7 @@ class KernelLayer(Protocol):
     qweight: torch.Tensor  # int8 [out, in], or int4 packed two per byte [out, ceil(in / 2)]
     scales: torch.Tensor  # fp16 [out, groups]
     zeros: torch.Tensor | None  # int8 [out, groups], None when symmetric
+    levels: torch.Tensor | None  # fp16 [out, 16], a learned grid's tables (scheme.grid); None otherwise
     scheme: QuantScheme
     in_features: int
     out_features: int

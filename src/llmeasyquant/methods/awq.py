@@ -82,7 +82,8 @@ def output_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) ->
 
 
 def _rounded(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    return fake_quantize(weight, scheme.bits, scheme.symmetric, scheme.granularity, scale_dtype=torch.float16)
+    return fake_quantize(weight, scheme.bits, scheme.symmetric, scheme.granularity, scale_dtype=torch.float16,
+                         grid=scheme.grid)
 
 
 def search_scales(weights: dict[str, torch.Tensor], h: torch.Tensor, schemes: dict[str, QuantScheme],

@@ -6,6 +6,10 @@ decreasing Hessian diagonal, on by default) with static groups: group scales are
 before the solve, so an act-ordered layer still stores plain contiguous groups. Without act-order the columns of
 the few channels with very large activations are quantized last, after every other column's error was pushed
 onto them; on SmolLM2 that makes symmetric 4-bit GPTQ worse than round-to-nearest (docs/methods.md).
+
+On a non-uniform grid (scheme.grid) each column goes to its nearest grid level; the group scales (and a learned
+grid's per-row tables) are always static, chosen from the original weights for the least squared error weighted by
+the Hessian diagonal (each input's mean square), as the uniform scales are fixed before the solve under act-order.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ class GPTQ(Quantizer):
             set_module(block, rel_name, QuantLinear.from_codes(codes, qp, scheme, bias))
 
 
-def _group_params(weight: torch.Tensor, scheme: QuantScheme) -> QParams:
-    return choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity)
+def _group_params(weight: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor | None = None) -> QParams:
+    return choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity, grid=scheme.grid,
+                          importance=importance)
 
 
 @torch.no_grad()
@@ -64,7 +69,11 @@ def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
     per_column_group = torch.arange(cols) // width  # [in]
     # Static groups: scales from the original weight. Without act-order the same choice is made group by group
     # from the updated weights as the solve reaches each group (the paper's procedure), below.
-    static = _group_params(w, scheme) if act_order or isinstance(scheme.granularity, PerChannel) else None
+    # A grid's scales and tables are static always (a learned table belongs to the whole row), weighted by H's diagonal.
+    if scheme.grid is not None:
+        static = _group_params(w, scheme, importance=torch.diag(h).clamp(min=0))
+    else:
+        static = _group_params(w, scheme) if act_order or isinstance(scheme.granularity, PerChannel) else None
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(cols)
     w, h = w[:, perm], h[perm][:, perm]
     h += torch.eye(cols) * damp * torch.mean(torch.diag(h))
@@ -95,7 +104,8 @@ def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
                     zeros[:, group] = qp.zero[:, 0]
             scale = scales[:, group]
             zero = zeros[:, group] if zeros is not None else None
-            column_qp = QParams(scale[:, None], None if zero is None else zero[:, None], group_size=1)
+            column_qp = QParams(scale[:, None], None if zero is None else zero[:, None], group_size=1,
+                                levels=static.levels if static is not None else None)
             q = quantize(w1[:, i : i + 1], column_qp, scheme.bits)  # [rows, 1]
             codes[:, start + i] = q[:, 0]
             dequant = dequantize(q, column_qp)[:, 0]
@@ -104,5 +114,5 @@ def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
             err1[:, i] = err
         w[:, end:] -= err1 @ hinv[start:end, end:]
     codes = codes[:, torch.argsort(perm)]
-    qp = QParams(scale=scales, zero=zeros, group_size=width)
+    qp = QParams(scale=scales, zero=zeros, group_size=width, levels=static.levels if static is not None else None)
     return codes.to(torch.int8), qp

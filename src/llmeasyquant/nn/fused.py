@@ -20,7 +20,7 @@ from llmeasyquant.scheme import ActMode
 
 log = logging.getLogger(__name__)
 
-_SHARED_BUFFERS = ("qweight", "scales", "zeros", "bias")
+_SHARED_BUFFERS = ("qweight", "scales", "zeros", "levels", "bias")  # levels: a learned grid's tables, a row each
 
 
 class SharedInputCall:

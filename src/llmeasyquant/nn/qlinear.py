@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.grid import LEVELS, grid_levels
 from llmeasyquant.kernels.choice import row_bucket
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, scope
 from llmeasyquant.nn.observers import ema_step, observed_extremes
@@ -44,10 +45,12 @@ def packed_width(bits: int, in_features: int) -> int:
 
 
 def layer_storage_bytes(in_features: int, out_features: int, scheme: QuantScheme) -> int:
-    """Bytes a QuantLinear of this shape and scheme stores: codes, fp16 scales, int8 zero points (no bias)."""
+    """Bytes a QuantLinear of this shape and scheme stores: codes, fp16 scales, int8 zero points, a learned grid's
+    fp16 tables (no bias)."""
     groups = -(-in_features // min(scheme.group_size or in_features, in_features))
     per_group = 2 if scheme.symmetric else 3
-    return out_features * (packed_width(scheme.bits, in_features) + groups * per_group)
+    table = 2 * LEVELS if scheme.grid == "learned" else 0
+    return out_features * (packed_width(scheme.bits, in_features) + groups * per_group + table)
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -69,12 +72,14 @@ def _unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """y = x @ ((q - zero) * scale)^T + bias, computed by a kernel chosen for the scheme and device.
+    """y = x @ ((q - zero) * scale)^T + bias, computed by a kernel chosen for the scheme and device; with a grid
+    (scheme.grid) the weight is levels[q + 8] * scale instead, levels the grid's fixed table or, learned, `levels`.
 
     Buffers (all in the state dict): `qweight` int8 [out, in] for 8-bit, uint8 [out, ceil(in/2)] for 4-bit,
     uint8 [out, ceil(in/8) * bits] for 2 and 3 bits (`packed_width`); `scales` fp16 [out, groups]; `zeros` int8
-    [out, groups] when asymmetric; `bias` if any; with static activations, `input_scale` fp16 [1] (NaN until
-    calibrated) and `input_zero` int8 [1] when the activations are asymmetric.
+    [out, groups] when asymmetric; `levels` fp16 [out, 16] for a learned grid; `bias` if any; with static
+    activations, `input_scale` fp16 [1] (NaN until calibrated) and `input_zero` int8 [1] when the activations are
+    asymmetric.
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool,
@@ -91,6 +96,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.int8))
         else:
             self.zeros = None
+        self.register_buffer("levels", torch.zeros(out_features, LEVELS, dtype=torch.float16)
+                             if scheme.grid == "learned" else None)
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype))
         else:
@@ -123,6 +130,10 @@ class QuantLinear(nn.Module):
         layer.scales.copy_(qp.scale.expand_as(layer.scales).to(torch.float16))
         if layer.zeros is not None:
             layer.zeros.copy_(qp.zero.expand_as(layer.zeros).to(torch.int8))
+        if (qp.levels is None) != (scheme.grid is None):
+            raise ValueError(f"codes {'without' if qp.levels is None else 'with'} grid levels for scheme {scheme.name}")
+        if layer.levels is not None:
+            layer.levels.copy_(qp.levels.expand_as(layer.levels).to(torch.float16))
         if bias is not None:
             layer.bias.copy_(bias.detach())
         return layer
@@ -130,9 +141,9 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
                     name: str = "weight") -> QuantLinear:
-        """Round-to-nearest quantization of a float weight [out, in]."""
+        """Round-to-nearest quantization of a float weight [out, in] (on a grid: to the nearest level)."""
         check_finite(weight, name)
-        qp = choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity)
+        qp = choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity, grid=scheme.grid)
         return cls.from_codes(quantize(weight, qp, scheme.bits), qp, scheme, bias)
 
     # views ---------------------------------------------------------------------------------------
@@ -142,7 +153,15 @@ class QuantLinear(nn.Module):
 
     def qparams(self) -> QParams:
         zero = None if self.zeros is None else self.zeros.to(torch.int32)
-        return QParams(scale=self.scales.float(), zero=zero, group_size=self.group_size)
+        return QParams(scale=self.scales.float(), zero=zero, group_size=self.group_size, levels=self.grid_levels())
+
+    def grid_levels(self) -> torch.Tensor | None:
+        """The grid's levels, fp32 [1, 16] (fixed table) or [out, 16] (learned); None for uniform codes."""
+        if self.scheme.grid is None:
+            return None
+        if self.levels is not None:
+            return self.levels.float()
+        return grid_levels(self.scheme.grid).to(self.scales.device)[None, :]
 
     @property
     def static_input(self) -> bool:
@@ -196,8 +215,8 @@ class QuantLinear(nn.Module):
         return dequantize(self.codes(), self.qparams())
 
     def storage_bytes(self) -> int:
-        """Bytes of codes, scales and zero points (the bias is not counted: it is not quantized)."""
-        tensors = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        """Bytes of codes, scales, zero points and a learned grid's tables (the bias is not counted: not quantized)."""
+        tensors = [self.qweight, self.scales] + [t for t in (self.zeros, self.levels) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # compute -------------------------------------------------------------------------------------

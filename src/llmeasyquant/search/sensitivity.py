@@ -44,7 +44,7 @@ def candidate_weight(weight: torch.Tensor, hessian: torch.Tensor | None, scheme:
     if quantizer == "gptq":
         codes, qp = gptq_solve(weight, hessian, scheme, act_order=True)
     else:
-        qp = choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity)
+        qp = choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity, grid=scheme.grid)
         codes = quantize(weight, qp, scheme.bits)
     return dequantize(codes, qp)
 

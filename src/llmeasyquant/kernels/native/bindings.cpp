@@ -42,6 +42,12 @@ at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, c
 // x: [rows, in] fp32, packed, scales, zeros as dequantize_int4 -> [rows, out] fp32
 at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& zeros, int64_t group_size);
+// packed, scales as dequantize_int4, levels: [16] or [out, 16] fp32 (a non-uniform grid) -> [out, in] fp32
+at::Tensor dequantize_int4_levels(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& levels_in,
+                                  int64_t in_features, int64_t group_size);
+// x: [rows, in] fp32, packed, scales, levels as dequantize_int4_levels -> [rows, out] fp32
+at::Tensor int4_levels_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const at::Tensor& levels_in, int64_t group_size);
 
 // qx: [rows, in] int8, x_scales: [rows, 1] fp32, tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16]
 // fp32, offsets: [groups, tiles * 16] int32 -> [rows, out] fp32
@@ -101,4 +107,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rope_store", &quant_rope_store);
   m.def("quant_attention", &quant_attention);
   m.def("quant_gather", &quant_gather);
+  m.def("dequantize_int4_levels", &dequantize_int4_levels);
+  m.def("int4_levels_matmul", &int4_levels_matmul);
 }

@@ -63,13 +63,19 @@ void int8_dot_rows(const int8_t* w, const int8_t* next, int64_t stride, const fl
 // ==== int4 groups and nibbles ====
 
 // The weights of one group of int4 codes, dequantized as the reference does: (float(u - 8) - zero) * scale, one
-// rounding, u the stored nibble (kernels' layout: even column in the low nibble). AVX-512 turns 16 nibbles into
-// their weights with one permute of a 16-entry table made per group, so the table holds exactly those values.
+// rounding, u the stored nibble (kernels' layout: even column in the low nibble); on a non-uniform grid (`levels`,
+// 16 fp32 values, or null) levels[u] * scale, one rounding too. AVX-512 turns 16 nibbles into their weights with one
+// permute of a 16-entry table made per group, so the table holds exactly those values.
 struct Int4Group {
   float scale, zero;
-  float value(uint8_t nibble) const { return (static_cast<float>(static_cast<int>(nibble) - 8) - zero) * scale; }
+  const float* levels = nullptr;
+  float value(uint8_t nibble) const {
+    if (levels != nullptr) return levels[nibble] * scale;
+    return (static_cast<float>(static_cast<int>(nibble) - 8) - zero) * scale;
+  }
 #if defined(CPU_CAPABILITY_AVX512)
   __m512 table() const {
+    if (levels != nullptr) return _mm512_mul_ps(_mm512_loadu_ps(levels), _mm512_set1_ps(scale));
     const __m512 codes = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
     return _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
   }
@@ -157,6 +163,9 @@ struct Int4Weights {
   const float* scales;
   const float* zeros;
   int64_t out, width, groups, group_size, row_bytes;
+  // A non-uniform grid's levels (set by with_levels): 16 fp32 values shared (stride 0) or a row's own (stride 16).
+  const float* levels = nullptr;
+  int64_t levels_stride = 0;
 
   Int4Weights(const at::Tensor& packed_t, const at::Tensor& scales_t, const c10::optional<at::Tensor>& zeros_t,
               int64_t in_features, int64_t group_size_in)
@@ -173,7 +182,19 @@ struct Int4Weights {
   }
 
   Int4Group group(int64_t row, int64_t g) const {
-    return {scales[row * groups + g], zeros != nullptr ? zeros[row * groups + g] : 0.0f};
+    return {scales[row * groups + g], zeros != nullptr ? zeros[row * groups + g] : 0.0f,
+            levels != nullptr ? levels + row * levels_stride : nullptr};
+  }
+
+  // The weights as levels[u] * scale: levels [16] (one table) or [out, 16] (one a row), fp32; no zero points.
+  Int4Weights& with_levels(const at::Tensor& levels_t) {
+    check_cpu(levels_t, at::kFloat, "levels");
+    TORCH_CHECK(zeros == nullptr, "a grid's weights have no zero points");
+    TORCH_CHECK(levels_t.numel() == 16 || (levels_t.dim() == 2 && levels_t.size(0) == out && levels_t.size(1) == 16),
+                "levels must be [16] or [out, 16] = [", out, ", 16]");
+    levels = levels_t.data_ptr<float>();
+    levels_stride = levels_t.numel() == 16 ? 0 : 16;
+    return *this;
   }
 
   // The fp32 weights of output channel `row` into w [width].
@@ -207,9 +228,14 @@ Int4Weights int4_weights_of(const at::Tensor& packed, const at::Tensor& scales, 
 // groups = ceil(in / group_size) -> w: [out, in] fp32
 // The fp32 weight [out, in] of a W4A16 layer, equal bit for bit to the reference kernel's dequantization: for many
 // rows the kernel multiplies by it with PyTorch's fp32 GEMM, as the reference does, in one pass instead of five.
+at::Tensor dequantize_weights(const Int4Weights& weights, int64_t in_features, const at::Tensor& scales);
+
 at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                            int64_t in_features, int64_t group_size) {
-  const Int4Weights weights = int4_weights_of(packed, scales, zeros, in_features, group_size);
+  return dequantize_weights(int4_weights_of(packed, scales, zeros, in_features, group_size), in_features, scales);
+}
+
+at::Tensor dequantize_weights(const Int4Weights& weights, int64_t in_features, const at::Tensor& scales) {
   at::Tensor w = at::empty({weights.out, in_features}, scales.options());
   float* pw = w.data_ptr<float>();
   for_rows(weights.out, in_features, [&](int64_t first, int64_t last) {
@@ -285,12 +311,17 @@ void int4_channel(const Int4Weights& weights, int64_t o, const float* x, const f
 // absent -> y: [rows, out] fp32
 // y [rows, out] = x [rows, in] times the W4A16 weights, for a few rows (decode; dequantize_int4 and a GEMM serve
 // a prompt): rows four at a time, so each dequantized weight serves four activation rows.
+at::Tensor int4_matmul_weights(const at::Tensor& x, const Int4Weights& weights);
+
 at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& zeros, int64_t group_size) {
   const at::Tensor x = input(x_in, at::kFloat, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
-  const int64_t rows = x.size(0), width = x.size(1);
-  const Int4Weights weights = int4_weights_of(packed, scales, zeros, width, group_size);
+  return int4_matmul_weights(x, int4_weights_of(packed, scales, zeros, x.size(1), group_size));
+}
+
+at::Tensor int4_matmul_weights(const at::Tensor& x, const Int4Weights& weights) {
+  const int64_t rows = x.size(0), width = x.size(1), group_size = weights.group_size;
   at::Tensor y = at::empty({rows, weights.out}, x.options());
   const float* px = x.data_ptr<float>();
   float* py = y.data_ptr<float>();
@@ -515,4 +546,24 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
     }
   });
   return y;
+// ==== W4A16 on a non-uniform grid: the weights levels[u] * scale ====
+
+// packed, scales as dequantize_int4 (no zeros), levels: [16] or [out, 16] fp32 -> w: [out, in] fp32, equal bit for
+// bit to the reference's levels[code + 8] * scale.
+at::Tensor dequantize_int4_levels(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& levels_in,
+                                  int64_t in_features, int64_t group_size) {
+  const at::Tensor levels = input(levels_in, at::kFloat, "levels");
+  Int4Weights weights = int4_weights_of(packed, scales, c10::nullopt, in_features, group_size);
+  return dequantize_weights(weights.with_levels(levels), in_features, scales);
+}
+
+// x: [rows, in] fp32, packed, scales, levels as dequantize_int4_levels -> y: [rows, out] fp32; int4_weight_matmul
+// with each group's table made from the levels instead of the codes.
+at::Tensor int4_levels_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const at::Tensor& levels_in, int64_t group_size) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  const at::Tensor levels = input(levels_in, at::kFloat, "levels");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  Int4Weights weights = int4_weights_of(packed, scales, c10::nullopt, x.size(1), group_size);
+  return int4_matmul_weights(x, weights.with_levels(levels));
 }

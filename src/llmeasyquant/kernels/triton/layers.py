@@ -65,7 +65,9 @@ class TritonW4A16Kernel:
         self.dtype = dtype
 
     def supports(self, layer) -> bool:
-        return layer.scheme.bits == 4 and layer.scheme.act is None and can_launch(layer.qweight)
+        # (code - zero) * scale in the kernel: uniform codes only, not a non-uniform grid's table.
+        return (layer.scheme.bits == 4 and layer.scheme.act is None and layer.scheme.grid is None
+                and can_launch(layer.qweight))
 
     def prepare(self, layer) -> PreparedInt4Weight:
         from llmeasyquant.kernels.triton import w4a16

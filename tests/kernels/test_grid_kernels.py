@@ -1,0 +1,109 @@
+"""Non-uniform 4-bit grids on the kernels: the native table-lookup W4A16 operators against the reference, and the
+kernels that assume uniform codes refusing grid layers."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import llmeasyquant as lq
+from llmeasyquant.kernels import candidates, native
+from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel
+from llmeasyquant.kernels.triton.layers import TritonW4A16Kernel
+from llmeasyquant.nn.qlinear import forced_kernel
+
+GRID_SCHEMES = ["w4a16-g64-nf4", "w4a16-g32-iq4nl", "w4a16-g64-learned", "w4a16-nf4", "w4a16-g30-learned"]
+
+
+def grid_layer(scheme: str, in_features: int, out_features: int) -> lq.QuantLinear:
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(7)) * 0.05
+    return lq.QuantLinear.from_weight(weight, torch.randn(out_features), lq.parse_scheme(scheme))
+
+
+def rows(count: int, width: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(count, width, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("scheme", GRID_SCHEMES)
+def test_uniform_code_kernels_refuse_grid_layers(scheme):
+    layer = grid_layer(scheme, 128, 16)
+    assert not Int4WeightOnlyKernel().supports(layer)
+    assert not TritonW4A16Kernel().supports(layer)
+    names = [k.name for k in candidates(layer)]
+    assert "cpu_int4pack_w4a16" not in names
+
+
+def test_uniform_layers_still_take_the_int4_operator():
+    layer = grid_layer("w4a16-g64", 128, 16)
+    assert Int4WeightOnlyKernel().supports(layer)
+
+
+@pytest.mark.parametrize("scheme", GRID_SCHEMES)
+def test_reference_kernel_runs_grid_layers_on_their_dequantized_weight(scheme):
+    layer = grid_layer(scheme, 128, 16)
+    x = rows(3, 128)
+    with forced_kernel(layer, "reference"), torch.no_grad():
+        y = layer(x)
+    assert torch.equal(y, x @ layer.dequantize().t() + layer.bias)
+
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                    reason="no C++ compiler: the fused operators cannot be built")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = native.ops()
+    assert built is not None, "a compiler is present, so the fused operators must build (see the log for why not)"
+    return built
+
+
+@needs_compiler
+@pytest.mark.parametrize("scheme", GRID_SCHEMES)
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (100, 7), (101, 5)])
+def test_dequantize_int4_levels_is_the_reference_weight_bit_for_bit(ops, scheme, in_features, out_features):
+    layer = grid_layer(scheme, in_features, out_features)
+    if layer.group_size % 2 and layer.group_size < in_features:
+        return  # odd groups start mid-byte: not the operator's layout (the kernel is not offered, below)
+    levels = layer.grid_levels()
+    levels = levels.reshape(16) if levels.shape[0] == 1 else levels
+    found = ops.dequantize_int4_levels(layer.qweight, layer.scales.float(), levels.contiguous(), in_features,
+                                       layer.group_size)
+    assert torch.equal(found, layer.dequantize())
+
+
+@needs_compiler
+@pytest.mark.parametrize("scheme", GRID_SCHEMES)
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (100, 7), (101, 5)])
+@pytest.mark.parametrize("count", [1, 3, 5, 17])
+def test_native_grid_kernel_matches_the_reference_in_fp32(ops, scheme, in_features, out_features, count):
+    """Up to 16 rows the weights are looked up in registers (fp32 rounding of the reference); above, the
+    dequantized weight and PyTorch's GEMM give the reference's result exactly."""
+    layer = grid_layer(scheme, in_features, out_features)
+    if layer.group_size % 2 and layer.group_size < in_features:
+        assert "cpu_native_w4a16" not in [k.name for k in candidates(layer)]
+        return
+    assert [k.name for k in candidates(layer)][:1] == ["cpu_native_w4a16"]
+    x = rows(count, in_features)
+    with forced_kernel(layer, "cpu_native_w4a16"), torch.no_grad():
+        found = layer(x)
+    with forced_kernel(layer, "reference"), torch.no_grad():
+        expected = layer(x)
+    if count > 16:
+        assert torch.equal(found, expected)
+    else:
+        torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_levels_operators_refuse_bad_tables(ops):
+    layer = grid_layer("w4a16-g64-learned", 128, 8)
+    scales = layer.scales.float()
+    with pytest.raises(RuntimeError, match="levels must be"):
+        ops.dequantize_int4_levels(layer.qweight, scales, torch.zeros(8, 15), 128, 64)
+    with pytest.raises(RuntimeError, match="levels must be"):
+        ops.int4_levels_matmul(rows(1, 128), layer.qweight, scales, torch.zeros(4, 16), 64)
+    with pytest.raises(RuntimeError, match="levels must be Float"):
+        ops.dequantize_int4_levels(layer.qweight, scales, torch.zeros(16, dtype=torch.float16), 128, 64)
