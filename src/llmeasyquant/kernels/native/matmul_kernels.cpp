@@ -546,6 +546,8 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
     }
   });
   return y;
+}
+
 // ==== W4A16 on a non-uniform grid: the weights levels[u] * scale ====
 
 // packed, scales as dequantize_int4 (no zeros), levels: [16] or [out, 16] fp32 -> w: [out, in] fp32, equal bit for
