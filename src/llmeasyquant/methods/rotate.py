@@ -41,7 +41,7 @@ from llmeasyquant.errors import ConfigError
 from llmeasyquant.kernels.hadamard import hadamard_matrix, walsh_hadamard
 from llmeasyquant.methods.base import ModelTransform
 from llmeasyquant.models.arch import ArchSpec, get_module, linear_weight
-from llmeasyquant.nn.transform import HadamardTransform, attach_input_transform
+from llmeasyquant.nn.transform import HadamardTransform, attach_input_transform, input_transform_of
 
 __all__ = ["Rotate", "random_orthogonal", "rotation_factors", "rotation_matrix", "walsh_hadamard"]
 
@@ -143,6 +143,9 @@ class Rotate(ModelTransform):
         for block in get_module(model, arch.blocks):
             for path in arch.rotation.online:
                 linear = get_module(block, path)
+                if input_transform_of(linear) is not None:
+                    raise ConfigError(f"{path} already applies an online Hadamard transform: this model was rotated "
+                                      "before; rotate a fresh copy of the model")
                 width = linear_weight(linear).shape[1]
                 if width not in factors:
                     factors[width] = rotation_factors(width, self.seed)
