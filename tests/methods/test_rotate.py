@@ -257,6 +257,17 @@ def test_online_checkpoint_round_trips_and_the_lean_decoder_agrees(make_model, r
     assert torch.equal(generated, reference)
 
 
+def test_lean_decoder_runs_a_float_rotated_model_with_its_online_transform(make_model, random_ids):
+    """A float down projection (a plan may keep it float) applies the transform from a pre-hook: the lean decoder
+    calls it whole."""
+    model = make_model("llama")
+    Rotate(online_down=True).apply_model(model, arch_for(model))
+    ids = random_ids[:1, :16]
+    with torch.no_grad():
+        torch.testing.assert_close(LeanDecoder(model, 16).prefill(ids), model(ids).logits[0, -1], atol=1e-4,
+                                   rtol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "gguf", "onnx"])
 def test_exporters_refuse_an_online_transform(fmt, make_model, tmp_path):
     model = lq.quantize(make_model("llama"), [Rotate(online_down=True), lq.RTN()], lq.W8A16, progress=False)
