@@ -13,6 +13,7 @@ from tests.runtime.test_decoder import FAMILIES, family_model
 import llmeasyquant as lq
 from llmeasyquant import LeanDecoder
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.methods import Rotate
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.nn.kv.config import KVQuantConfig
 from llmeasyquant.plan import Plan, Rule
@@ -253,3 +254,18 @@ def test_engine_options_are_checked():
         EngineConfig(max_running=0)
     with pytest.raises(ConfigError, match="KV memory"):
         EngineConfig(kv_memory_mb=0)
+
+
+def test_online_rotated_model_serves_the_tokens_of_the_eval_path(engine_for, monkeypatch):
+    """Rotate's online Hadamard lives in the down projection's QuantLinear, which the engine's batched blocks call:
+    greedy tokens equal transformers' own generate on the same quantized model."""
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", "reference")
+    model = lq.quantize(lively(), [Rotate(online_down=True), RTN()], parse_scheme("w8a16"), progress=False)
+    assert all(layer.mlp.down_proj.input_transform is not None for layer in model.model.layers)
+    engine = engine_for(model, kv_dtype="float32")
+    batch = prompts(3)
+    for prompt, tokens in zip(batch, run_all(engine, batch), strict=True):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == expected

@@ -13,6 +13,7 @@ from llmeasyquant.infra import distributed
 from llmeasyquant.methods.base import BlockContext, Method, block_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.nn.transform import carry_input_transform
 
 
 def solve_cost(module: nn.Module) -> float:
@@ -25,7 +26,8 @@ def _empty_quant_linear(module: nn.Module, scheme) -> QuantLinear:
     """The QuantLinear a broadcast fills: right shapes and scheme, contents to come from the owner."""
     rows, cols = linear_weight(module).shape
     bias = getattr(module, "bias", None)
-    return QuantLinear(cols, rows, scheme, bias is not None, bias.dtype if bias is not None else torch.float32)
+    layer = QuantLinear(cols, rows, scheme, bias is not None, bias.dtype if bias is not None else torch.float32)
+    return carry_input_transform(module, layer)
 
 
 def apply_shared(method: Method, block: nn.Module, ctx: BlockContext) -> None:

@@ -111,6 +111,10 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
                    "quantized model's")
     p.add_argument("--rotation-seed", type=int,
                    help="rotate: the seed of the residual stream's rotation (default 0; see docs/methods.md)")
+    p.add_argument("--online-rotation", action=argparse.BooleanOptionalAction, default=None,
+                   help="rotate: also an online Hadamard transform of each down-projection's input, applied at run "
+                   "time by the quantized layer (default: off; our checkpoint keeps it, GGUF, ONNX and "
+                   "compressed-tensors exports refuse it; see docs/methods.md)")
 
 
 def _alpha(text: str) -> float | str:

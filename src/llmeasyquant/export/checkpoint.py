@@ -24,6 +24,7 @@ from llmeasyquant.nn.kv.cache import KVCacheSpec
 from llmeasyquant.nn.kv.calibration import KeyRanges
 from llmeasyquant.nn.kv.config import KVQuantConfig
 from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear, quantized_layers
+from llmeasyquant.nn.transform import HadamardTransform, attach_input_transform
 from llmeasyquant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
         "source_model": info.source, "recipe": info.recipe, "plan": info.plan, "tied": aliases,
         "layers": {name: layer.scheme.to_dict() for name, layer in layers.items()},
     }
+    transforms = {name: layer.input_transform.describe() for name, layer in layers.items()
+                  if layer.input_transform is not None}
+    if transforms:  # rotate's online Hadamard: its shape here, its signs and odd part in the tensors
+        qconfig["input_transforms"] = transforms
     kv = info.kv_cache
     if kv is not None:
         qconfig["kv_cache"] = {"config": kv.config.to_dict(), "calibrated": kv.key_ranges is not None}
@@ -154,10 +159,12 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
         out_features, in_features = linear_weight(module).shape
         has_bias = getattr(module, "bias", None) is not None
         set_module(model, name, QuantLinear(in_features, out_features, scheme, has_bias, dtype))
+    _add_input_transforms(model, qconfig.get("input_transforms", {}), path)
     tensors = _read_tensors(path)
     tied = qconfig.get("tied", {})
     _check_match(model, tensors, tied, path)
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    state = {k: v.to(dtype) if v.is_floating_point() and not k.endswith(FULL_PRECISION_STATE) else v
+             for k, v in tensors.items()}
     model.load_state_dict(state, strict=False)
     for alias, kept in tied.items():  # tie the same way the saved model was tied
         parent, _, leaf = alias.rpartition(".")
@@ -175,6 +182,24 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
     if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
+
+
+def _add_input_transforms(model: nn.Module, entries: dict, path: Path) -> None:
+    """Give each layer the checkpoint lists an online input transform of the recorded shape; the state dict then
+    fills its values."""
+    for name, entry in entries.items():
+        try:
+            layer = get_module(model, name)
+            if not isinstance(layer, QuantLinear) or entry["kind"] != "hadamard":
+                raise ValueError(f"{entry.get('kind')!r} on {type(layer).__name__}")
+            transform = HadamardTransform.empty(int(entry["width"]), int(entry["odd"]))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path} has an unreadable input transform for {name!r} ({exc}); re-create the "
+                                  "checkpoint") from exc
+        if transform.width != layer.in_features:
+            raise CheckpointError(f"{path}: the input transform of {name!r} has width {transform.width}, the layer "
+                                  f"{layer.in_features} inputs; re-create the checkpoint")
+        attach_input_transform(layer, transform)
 
 
 def _read_kv_cache(path: Path, qconfig: dict, layers: int) -> KVCacheSpec | None:

@@ -15,6 +15,7 @@ from torch import nn
 from llmeasyquant.errors import ConfigError, LLMEasyQuantError
 from llmeasyquant.export.checkpoint import checkpoint_bytes
 from llmeasyquant.nn.qlinear import QuantLinear, quantized_layers
+from llmeasyquant.nn.transform import input_transform_of
 
 # A runtime loaded from an exported file: token ids [seqlen] (int64) -> logits [seqlen, vocab] (float32).
 RuntimeLogits = Callable[[torch.Tensor], torch.Tensor]
@@ -52,11 +53,18 @@ class ExportResult:
                 "lossless_layers": len(self.lossless), "requantized_layers": self.requantized, "notes": self.notes}
 
 
-def layers_to_export(model: nn.Module) -> dict[str, QuantLinear]:
-    """The model's QuantLinear layers by module name; a model that is not quantized cannot be exported."""
+def layers_to_export(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
+    """The model's QuantLinear layers by module name; a model that is not quantized cannot be exported, nor one
+    whose layers transform their input online (rotate's online Hadamard), which `fmt`'s graph has no place for."""
     layers = quantized_layers(model)
     if not layers:
         raise ConfigError("this model has no quantized layers; quantize it (llmeasyquant quantize) before exporting")
+    online = [name for name, module in model.named_modules() if input_transform_of(module) is not None]
+    if online:
+        raise ConfigError(f"{online[0]} (and {len(online) - 1} more layers) applies an online Hadamard transform to "
+                          f"its input, which the {fmt} format cannot carry: the exported model would compute "
+                          "another function. Quantize without the online rotation (--no-online-rotation; the "
+                          "offline rotation of the residual stream exports fine) or keep our checkpoint format")
     return layers
 
 

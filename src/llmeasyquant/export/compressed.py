@@ -118,7 +118,7 @@ def export_compressed_tensors(model: nn.Module, tokenizer: object | None, out: s
                               force: bool = False) -> ExportResult:
     """Write `model` (quantized) as a compressed-tensors checkpoint folder that vLLM and transformers load."""
     clock = Stopwatch()
-    layers = layers_to_export(model)
+    layers = layers_to_export(model, "compressed-tensors")
     lifecycle = require("compressed_tensors.quantization", INSTALL)
     compressors = require("compressed_tensors.compressors", INSTALL)
     config = quantization_config(layers)

@@ -357,7 +357,7 @@ def export_gguf(model: nn.Module, tokenizer: object | None, out: str | Path, for
     if out.is_dir():
         raise ConfigError(f"{out} is a folder; a GGUF export is one file: give a path ending in .gguf")
     arch = gguf_arch(model)
-    quantized = layers_to_export(model)
+    quantized = layers_to_export(model, "GGUF")
     if any(layer.scheme.act is not None for layer in quantized.values()):
         notes = ["activation quantization is not stored: llama.cpp quantizes activations its own way"]
     else:

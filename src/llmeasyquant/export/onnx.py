@@ -201,7 +201,7 @@ def export_onnx(model: nn.Module, tokenizer: object | None, out: str | Path, for
     `external_data` None puts the weights in model.onnx.data when they pass 1.5 GB. `verify` runs the file with
     ONNX Runtime on a few tokens and records the largest logit difference in the result's notes.
     """
-    layers = layers_to_export(model)
+    layers = layers_to_export(model, "ONNX")
     check_output(Path(out).expanduser(), force)  # before the slow trace; staged_folder checks again when writing
     for module in ("onnx", "onnx_ir", "onnxruntime"):
         require(module, INSTALL)

@@ -17,6 +17,7 @@ from torch import nn
 from llmeasyquant.methods.stats import InputStats, collect_input_stats
 from llmeasyquant.models.arch import ArchSpec, linear_weight
 from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.nn.transform import carry_input_transform
 from llmeasyquant.scheme import QuantScheme
 
 if TYPE_CHECKING:
@@ -94,10 +95,11 @@ Step = Method | CacheMethod  # what a recipe holds
 
 
 def rtn_quant_linear(module: nn.Module, scheme: QuantScheme, name: str) -> QuantLinear:
-    """Round-to-nearest QuantLinear from a linear-like module (nn.Linear or GPT-2's Conv1D)."""
+    """Round-to-nearest QuantLinear from a linear-like module (nn.Linear or GPT-2's Conv1D), with the module's online
+    input transform if it has one."""
     weight = linear_weight(module).detach()
     bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
-    return QuantLinear.from_weight(weight, bias, scheme, name=name)
+    return carry_input_transform(module, QuantLinear.from_weight(weight, bias, scheme, name=name))
 
 
 def block_input_stats(block: nn.Module, ctx: BlockContext, want: frozenset[str]) -> InputStats:

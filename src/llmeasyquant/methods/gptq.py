@@ -23,6 +23,7 @@ from torch import nn
 from llmeasyquant.methods.base import BlockContext, Quantizer, block_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.nn.transform import carry_input_transform
 from llmeasyquant.primitives import QParams, check_finite, choose_qparams, dequantize, group_width, quantize
 from llmeasyquant.scheme import PerChannel, QuantScheme
 
@@ -47,7 +48,8 @@ class GPTQ(Quantizer):
             check_finite(weight, ctx.prefix + rel_name)
             codes, qp = gptq_solve(weight, hessians[rel_name], scheme, self.block_size, self.damp, self.act_order)
             bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
-            set_module(block, rel_name, QuantLinear.from_codes(codes, qp, scheme, bias))
+            layer = QuantLinear.from_codes(codes, qp, scheme, bias)
+            set_module(block, rel_name, carry_input_transform(module, layer))
 
 
 def _group_params(weight: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor | None = None) -> QParams:

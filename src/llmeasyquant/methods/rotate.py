@@ -12,10 +12,20 @@ replaced by h Q everywhere:
 The rotation of the whole stream is folded offline, so nothing changes at run time: every runtime and export format
 that runs the model runs the rotated one.
 
+The online part (`online_down=True`, QuaRot's online Hadamard): the down-projection reads act(gate) * up, which no
+offline rotation reaches (the activation sits between up and down), and whose few huge channels set the scale of
+W8A8's activations and the Hessian of GPTQ. Each down-projection then takes W <- W Q' offline and applies x -> x Q'
+to its input at run time (nn/transform.py; the fast transform in kernels/hadamard.py), Q' of the same construction
+over the intermediate size with the same seed: 1536 = 512 * 3 uses H of order 512 (9 butterfly stages at run time)
+and O of order 3. The float function is unchanged; the transform runs wherever the layer runs (it is part of the
+layer), and exporters that cannot express it refuse the model.
+
 The matrix: a random Hadamard-like rotation of the hidden size d = 2^a * m (m odd), Q = diag(s) (H ⊗ O) / sqrt(2^a),
 with H the Walsh-Hadamard matrix of order 2^a (Sylvester), O a random orthogonal matrix of order m (the QR of a
 Gaussian matrix, signs fixed) and s random signs, all from `seed`: 576 = 64 * 9 uses H of order 64 and O of order 9.
-The same inputs and seed give the same matrix, bit for bit.
+The same inputs and seed give the same matrix, bit for bit. (H ⊗ O is orthogonal for any orthogonal O; a random O
+mixes the m channels of each group, where a fixed O, e.g. a DFT, would serve as well: random keeps one construction
+for the stream and the online transform.)
 """
 
 from __future__ import annotations
@@ -28,20 +38,14 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.kernels.hadamard import hadamard_matrix, walsh_hadamard
 from llmeasyquant.methods.base import ModelTransform
 from llmeasyquant.models.arch import ArchSpec, get_module, linear_weight
+from llmeasyquant.nn.transform import HadamardTransform, attach_input_transform, input_transform_of
+
+__all__ = ["Rotate", "random_orthogonal", "rotation_factors", "rotation_matrix", "walsh_hadamard"]
 
 log = logging.getLogger(__name__)
-
-
-def walsh_hadamard(order: int) -> torch.Tensor:
-    """The Sylvester Hadamard matrix of a power-of-two order, entries ±1 (float64)."""
-    if order < 1 or order & (order - 1):
-        raise ValueError(f"a Walsh-Hadamard matrix has a power-of-two order, not {order}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < order:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h
 
 
 def random_orthogonal(order: int, generator: torch.Generator) -> torch.Tensor:
@@ -51,18 +55,22 @@ def random_orthogonal(order: int, generator: torch.Generator) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))[None, :]).contiguous()
 
 
-def rotation_matrix(size: int, seed: int = 0) -> torch.Tensor:
-    """The module docstring's Q [size, size] (float64, orthogonal)."""
+def rotation_factors(size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random parts of the module docstring's Q: the signs s [size] and O [m, m] ([[1]] when size is a power of
+    two), float64."""
     if size < 1:
         raise ConfigError(f"cannot rotate a stream of {size} channels")
     power = size & -size  # the largest power of two dividing size
     odd = size // power
     generator = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.float64) * 2 - 1
-    mixed = walsh_hadamard(power) / power**0.5
-    if odd > 1:
-        mixed = torch.kron(mixed, random_orthogonal(odd, generator))
-    return signs[:, None] * mixed
+    orthogonal = random_orthogonal(odd, generator) if odd > 1 else torch.ones(1, 1, dtype=torch.float64)
+    return signs, orthogonal
+
+
+def rotation_matrix(size: int, seed: int = 0) -> torch.Tensor:
+    """The module docstring's Q [size, size] (float64, orthogonal)."""
+    return hadamard_matrix(*rotation_factors(size, seed))
 
 
 def _fold_norm_into(norm: nn.Module, linears: list[nn.Module]) -> None:
@@ -88,11 +96,13 @@ def _rotate_output(linear: nn.Module, q: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class Rotate(ModelTransform):
-    """A rotation of the residual stream folded into the weights (module docstring); `seed` picks the matrix."""
+    """A rotation of the residual stream folded into the weights (module docstring); `seed` picks the matrix.
+    `online_down`: also an online Hadamard transform of each down-projection's input (module docstring)."""
 
     name: ClassVar[str] = "rotate"
     default_scheme: ClassVar[str] = "w4a16-g128-asym"
     seed: int = 0
+    online_down: bool = False
 
     def apply_model(self, model: nn.Module, arch: ArchSpec) -> None:
         spec = arch.rotation
@@ -119,7 +129,29 @@ class Rotate(ModelTransform):
             head = get_module(model, arch.lm_head)
             _fold_norm_into(get_module(model, arch.final_norm), [head])
             _rotate_input(head, q)
-        log.info("rotated the residual stream of %d channels (seed %d) into the weights", hidden, self.seed)
+            if self.online_down:
+                self._transform_online(model, arch)
+        log.info("rotated the residual stream of %d channels (seed %d) into the weights%s", hidden, self.seed,
+                 ", with an online Hadamard transform of the down-projection's input" if self.online_down else "")
+
+    def _transform_online(self, model: nn.Module, arch: ArchSpec) -> None:
+        """W <- W Q for each `online` linear, which then applies x -> x Q to its input at run time."""
+        if not arch.rotation.online:
+            raise ConfigError(f"the {arch.family} family names no linear for an online Hadamard transform; "
+                              "rotate without it (--no-online-rotation)")
+        factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for block in get_module(model, arch.blocks):
+            for path in arch.rotation.online:
+                linear = get_module(block, path)
+                if input_transform_of(linear) is not None:
+                    raise ConfigError(f"{path} already applies an online Hadamard transform: this model was rotated "
+                                      "before; rotate a fresh copy of the model")
+                width = linear_weight(linear).shape[1]
+                if width not in factors:
+                    factors[width] = rotation_factors(width, self.seed)
+                transform = HadamardTransform(*factors[width])  # its own buffers: one per layer in checkpoints
+                _rotate_input(linear, transform.matrix())  # the fp32 factors the layer will run
+                attach_input_transform(linear, transform)
 
     @staticmethod
     def _untie_head(model: nn.Module, arch: ArchSpec) -> None:

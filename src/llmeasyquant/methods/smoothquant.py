@@ -21,6 +21,7 @@ from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.stats import InputStats, calibrate_static_inputs, relative_error, run_block
 from llmeasyquant.models.arch import is_linear, linear_weight
+from llmeasyquant.nn.transform import input_transform_of
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,11 @@ def smooth(block: nn.Module, pairs: Pairs, stats: InputStats, alpha: float) -> I
 
 
 def foldable(block: nn.Module, src: str, targets: tuple[str, ...]) -> bool:
-    """A linear source must feed the targets channel for channel (not so under grouped-query attention)."""
+    """A linear source must feed the targets channel for channel (not so under grouped-query attention), and no
+    target may transform its input online (rotate's Hadamard on the down-projection mixes the channels that a
+    scale folded into the source would divide)."""
+    if any(input_transform_of(block.get_submodule(t)) is not None for t in targets):
+        return False
     source = block.get_submodule(src)
     width = linear_weight(block.get_submodule(targets[0])).shape[1]
     if is_linear(source):

@@ -14,6 +14,7 @@ from torch import nn
 
 from llmeasyquant.infra import distributed
 from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.nn.transform import transformed_input
 
 STATS = frozenset({"hessian", "range"})
 
@@ -79,14 +80,14 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     seen_this_pass: list[tuple[torch.Tensor, str]] = []
 
     def hook_for(name: str):
-        def hook(_module: nn.Module, args: tuple, _output: object) -> None:
+        def hook(module: nn.Module, args: tuple, _output: object) -> None:
             x = args[0]
             owner = next((n for t, n in seen_this_pass if t is x), None)
             if owner is not None:
                 alias[name] = owner
                 return
             seen_this_pass.append((x, name))
-            flat = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+            flat = transformed_input(module, x).reshape(-1, x.shape[-1]).float()  # [tokens, in], as W reads it
             if "hessian" in want:
                 # Each batch's product in fp32, the running sum in fp64: the sum's order (batch by batch here,
                 # partial sums across ranks under torch.distributed) then changes no fp32 entry of H in practice.

@@ -20,6 +20,7 @@ from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, Quantizer, rtn_quant_linear
 from llmeasyquant.methods.stats import first_output
 from llmeasyquant.models.arch import linear_weight, set_module
+from llmeasyquant.nn.transform import input_transform_of
 from llmeasyquant.primitives import fake_quantize
 from llmeasyquant.scheme import QuantScheme
 
@@ -40,6 +41,9 @@ class _FakeQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme
+        transform = input_transform_of(self.inner)  # the inner module's pre-hook does not run: it is not called
+        if transform is not None:
+            x = transform(x)
         weight = linear_weight(self.inner)
         weight = _straight_through(weight, fake_quantize(weight.detach(), s.bits, s.symmetric, s.granularity,
                                                          scale_dtype=torch.float16))

@@ -62,11 +62,14 @@ class GGUFSpec:
 class RotationSpec:
     """Where a rotation of the residual stream (methods/rotate.py) enters and leaves a block: `readers` are the
     RMSNorms that read the stream with the linears each feeds (the norm's weight is folded into them, then they read
-    the rotated stream), `writers` the linears whose outputs are added to it. Only families whose norms are
-    RMSNorms have one: a LayerNorm subtracts the mean, which does not commute with a rotation."""
+    the rotated stream), `writers` the linears whose outputs are added to it, `online` the linears whose input can
+    take an online Hadamard transform (QuaRot's: the down-projection, whose input no offline rotation reaches since
+    the activation function sits before it). Only families whose norms are RMSNorms have one: a LayerNorm subtracts
+    the mean, which does not commute with a rotation."""
 
     readers: tuple[tuple[str, tuple[str, ...]], ...]
     writers: tuple[str, ...]
+    online: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ _LLAMA_LIKE = dict(
         readers=(("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                  ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
         writers=("self_attn.o_proj", "mlp.down_proj"),
+        online=("mlp.down_proj",),
     ),
 )
 _LLAMA_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}

@@ -69,7 +69,10 @@ def _fusable(members: list[nn.Module]) -> bool:
         return False
     first = members[0]
     act = first.scheme.act
+    # A layer that transforms its input online reads something the others do not (and the combined layer would not
+    # apply it).
     same = all(m.scheme == first.scheme and m.in_features == first.in_features and m.shared is None
+               and m.input_transform is None
                and m.kernel_name == first.kernel_name and (m.bias is None) == (first.bias is None)
                and m.qweight.device == first.qweight.device for m in members)
     # Online ranges are state of each layer; static scales must agree for one scale to serve all.

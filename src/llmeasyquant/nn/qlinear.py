@@ -30,8 +30,9 @@ from llmeasyquant.scheme import ActMode, PerTensor, QuantScheme
 
 log = logging.getLogger(__name__)
 
-# Float state kept in fp32 when the rest is rounded to fp16 for storage: the online range moves by small EMA steps.
-FULL_PRECISION_STATE = ("inv_freq", "input_range")
+# Float state kept in fp32 when the rest is rounded to fp16 for storage: the online range moves by small EMA steps;
+# an online input transform (nn/transform.py) must stay orthogonal to fp32 rounding.
+FULL_PRECISION_STATE = ("inv_freq", "input_range", "input_transform.signs", "input_transform.odd")
 
 
 def packed_width(bits: int, in_features: int) -> int:
@@ -115,6 +116,9 @@ class QuantLinear(nn.Module):
         self._prepared: dict[str, Any] = {}  # kernel name -> what it prepared from the buffers
         self.shared: tuple[Any, int] | None = None  # (nn.fused.SharedInputCall, my index) when fused
         self.profile_name = "linear"  # the name of this layer's profiler scope (eval/speed.py sets it)
+        # An orthogonal map applied to the input before the kernel (nn/transform.py: rotate's online Hadamard),
+        # a submodule when set; its transpose is folded into the weights.
+        self.input_transform: nn.Module | None = None
 
     # construction --------------------------------------------------------------------------------
     @classmethod
@@ -262,6 +266,8 @@ class QuantLinear(nn.Module):
         return self._prepared[kernel.name]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_transform is not None:
+            x = self.input_transform(x)
         if self.shared is not None:
             call, index = self.shared
             return call.output(index, self, x)

@@ -3,7 +3,9 @@ the serving engine): its embedding, its blocks' norms and linears as plain calla
 the rotary tables, read once from the model's own modules (the families whose arch entry has a `decoder` map).
 
 Calling `.forward` of each module skips nn.Module.__call__'s hook bookkeeping on the hot path; QuantLinear layers
-run through their kernels, and layers fused by `fuse_shared_inputs` run as one GEMM.
+run through their kernels (an online input transform included: nn/transform.py), and layers fused by
+`fuse_shared_inputs` run as one GEMM. A module with forward pre-hooks (a float linear left unquantized by the plan
+that carries rotate's online transform) is called whole, so that they run (`callable_of`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class Block:
     down: Linear
 
 
+def callable_of(module: nn.Module) -> Linear:
+    """`module.forward`, or the module itself where forward pre-hooks change its input (they must run)."""
+    return module if module._forward_pre_hooks else module.forward
+
+
 def joined(members: list[nn.Module]) -> Linear:
     """One callable giving the members' outputs side by side: their fused group's single GEMM when
     `fuse_shared_inputs` joined them, else each layer in turn."""
@@ -60,7 +67,7 @@ def joined(members: list[nn.Module]) -> Linear:
     if shared[0] is not None and all(s is not None and s[0] is shared[0][0] and s[1] == i
                                      for i, s in enumerate(shared)):
         return shared[0][0].combined.forward
-    calls = [m.forward for m in members]
+    calls = [callable_of(m) for m in members]
     return lambda x: torch.cat([call(x) for call in calls], dim=-1)
 
 
@@ -113,11 +120,11 @@ class DecoderParts:
             attn_norm=Norm.of(at(spec.attn_norm)),
             qkv=joined([at(attention.q), at(attention.k), at(attention.v)]),
             qk_norm=qk_norm,
-            o=at(attention.o).forward,
+            o=callable_of(at(attention.o)),
             mlp_norm=Norm.of(at(spec.mlp_norm)),
             gate_up=joined([at(spec.gate), at(spec.up)]),
             activation=at(spec.activation),
-            down=at(spec.down).forward,
+            down=callable_of(at(spec.down)),
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

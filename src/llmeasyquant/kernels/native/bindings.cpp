@@ -32,6 +32,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double 
 at::Tensor dequantize_rows(const at::Tensor& acc_in, const at::Tensor& row_scales_in,
                            const at::Tensor& column_scales_in);
 
+// x: [rows, width] fp32, signs: [width] fp32, odd: [m, m] fp32 -> [rows, width] fp32 (x diag(signs) (H ⊗ odd) / sqrt(H's order))
+at::Tensor hadamard_transform(const at::Tensor& x_in, const at::Tensor& signs_in, const at::Tensor& odd_in);
+
 // ==== matmul kernels (matmul_kernels.cpp) ====
 
 // x: [rows, in] fp32, q: [out, in] int8, scales: [out] fp32 -> [rows, out] fp32
@@ -109,4 +112,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gather", &quant_gather);
   m.def("dequantize_int4_levels", &dequantize_int4_levels);
   m.def("int4_levels_matmul", &int4_levels_matmul);
+  m.def("hadamard_transform", &hadamard_transform);
 }

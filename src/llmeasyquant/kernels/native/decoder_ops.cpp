@@ -401,3 +401,77 @@ at::Tensor dequantize_rows(const at::Tensor& acc_in, const at::Tensor& row_scale
   });
   return out;
 }
+
+// ==== online Hadamard transform (rotate's down_proj input) ====
+
+namespace {
+
+// a[k], b[k] <- a[k] + b[k], a[k] - b[k] for k < span: one butterfly of the Walsh-Hadamard transform.
+void butterfly(float* a, float* b, int64_t span) {
+  int64_t k = 0;
+  for (; k + Vec::size() <= span; k += Vec::size()) {
+    const Vec u = Vec::loadu(a + k), v = Vec::loadu(b + k);
+    (u + v).store(a + k);
+    (u - v).store(b + k);
+  }
+  for (; k < span; ++k) {
+    const float u = a[k], v = b[k];
+    a[k] = u + v;
+    b[k] = u - v;
+  }
+}
+
+}  // namespace
+
+// x: [rows, width] fp32, signs: [width] fp32, odd: [m, m] fp32 with width = 2^a * m -> [rows, width] fp32
+// Each row x becomes x Q with Q = diag(signs) (H ⊗ odd) / sqrt(2^a), H the Walsh-Hadamard matrix of order 2^a
+// (methods/rotate.py's rotation_matrix): the row is read as X [2^a, m], multiplied by `odd` on the right (m^2
+// products per group of m), then H runs down the 2^a groups in log2(2^a) butterfly stages, each over contiguous
+// spans of h * m values (vectorised once the span holds a vector), and the last scale is one multiply per value.
+// kernels/hadamard.py's hadamard_reference does the same stages in PyTorch operators.
+at::Tensor hadamard_transform(const at::Tensor& x_in, const at::Tensor& signs_in, const at::Tensor& odd_in) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  const at::Tensor signs = input(signs_in, at::kFloat, "signs");
+  const at::Tensor odd = input(odd_in, at::kFloat, "odd");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, width]");
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(odd.dim() == 2 && odd.size(0) == odd.size(1) && odd.size(0) >= 1, "odd must be [m, m]");
+  const int64_t m = odd.size(0), power = width / std::max<int64_t>(1, m);
+  TORCH_CHECK(power >= 1 && power * m == width && (power & (power - 1)) == 0,
+              "width must be a power of two times odd's order, got ", width, " and ", m);
+  TORCH_CHECK(signs.numel() == width, "signs must hold width values");
+  at::Tensor out = at::empty({rows, width}, x.options());
+  const float* px = x.data_ptr<float>();
+  const float* ps = signs.data_ptr<float>();
+  const float* po = odd.data_ptr<float>();
+  float* py = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(power));
+  for_rows(rows, width, [&](int64_t first, int64_t last) {
+    std::vector<float> signed_row(m > 1 ? width : 0);
+    for (int64_t r = first; r < last; ++r) {
+      const float* src = px + r * width;
+      float* dst = py + r * width;
+      if (m == 1) {
+        at::vec::map2([](Vec a, Vec b) { return a * b; }, dst, src, ps, width);
+      } else {
+        float* tmp = signed_row.data();
+        at::vec::map2([](Vec a, Vec b) { return a * b; }, tmp, src, ps, width);
+        for (int64_t p = 0; p < power; ++p) {
+          const float* group = tmp + p * m;
+          float* outg = dst + p * m;
+          for (int64_t c = 0; c < m; ++c) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < m; ++k) sum += group[k] * po[k * m + c];
+            outg[c] = sum;
+          }
+        }
+      }
+      for (int64_t h = 1; h < power; h *= 2) {
+        const int64_t span = h * m;
+        for (int64_t i = 0; i < power; i += 2 * h) butterfly(dst + i * m, dst + i * m + span, span);
+      }
+      at::vec::map([scale](Vec a) { return a * Vec(scale); }, dst, dst, width);
+    }
+  });
+  return out;
+}
