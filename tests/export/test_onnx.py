@@ -24,9 +24,10 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 # Each export (a few seconds) is shared by this module's tests and holds two schemes: one in the attention
-# projections, one in the MLP, so that three llama exports cover W8A8 dynamic and static, W8A16 per channel and
-# grouped, W4A16 g32 asymmetric and 3-bit (a group width of 48 leaves a shorter last group).
-LLAMA_PAIRS = [("w8a8", "w8a16"), ("w8a8-astatic", "w8a16-g16"), ("w4a16-g32-asym", "w3a16-g48-asym")]
+# projections, one in the MLP, so that four llama exports cover W8A8 dynamic and static, W8A16 per channel and
+# grouped, W4A16 g32 asymmetric, 3-bit (a group width of 48 leaves a shorter last group) and W4A8 grouped.
+LLAMA_PAIRS = [("w8a8", "w8a16"), ("w8a8-astatic", "w8a16-g16"), ("w4a16-g32-asym", "w3a16-g48-asym"),
+               ("w4a8-g32", "w4a8-g16-asym")]
 # GPT-2 (QuantLinear in place of Conv1D) with a different scheme in each of its four linear layers: asymmetric
 # dynamic per-token, dynamic per-tensor and asymmetric static activations, 3-bit weights.
 GPT2_SCHEMES = {r".*\.c_attn": "w8a8-aasym", r".*\.attn\.c_proj": "w8a8-apt", r".*\.c_fc": "w8a8-astatic-aasym",
