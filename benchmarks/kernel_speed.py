@@ -23,7 +23,7 @@ from llmeasyquant.record import Record, write_records
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576))  # (in, out): gate/up, down, q/o projections of SmolLM2
 TOKENS = (1, 128, 512)
-SCHEMES = ("w8a8", "w8a16", "w4a16-g64-asym", "w4a16-g128-asym")
+SCHEMES = ("w8a8", "w8a16", "w4a16-g64-asym", "w4a16-g128-asym", "w4a8-g64-asym")
 
 
 def median_ms(fn, repeat: int = 20) -> float:
