@@ -14,6 +14,7 @@ from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel
 from llmeasyquant.kernels.triton.layers import TritonW4A16Kernel
 from llmeasyquant.nn.qlinear import forced_kernel
 
+# Also run by tests/kernels/test_native_ops.py's W4A16 matmul test, beside the uniform schemes.
 GRID_SCHEMES = ["w4a16-g64-nf4", "w4a16-g32-iq4nl", "w4a16-g64-learned", "w4a16-nf4", "w4a16-g30-learned"]
 
 
@@ -72,29 +73,6 @@ def test_dequantize_int4_levels_is_the_reference_weight_bit_for_bit(ops, scheme,
     found = ops.dequantize_int4_levels(layer.qweight, layer.scales.float(), levels.contiguous(), in_features,
                                        layer.group_size)
     assert torch.equal(found, layer.dequantize())
-
-
-@needs_compiler
-@pytest.mark.parametrize("scheme", GRID_SCHEMES)
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (100, 7), (101, 5)])
-@pytest.mark.parametrize("count", [1, 3, 5, 17])
-def test_native_grid_kernel_matches_the_reference_in_fp32(ops, scheme, in_features, out_features, count):
-    """Up to 16 rows the weights are looked up in registers (fp32 rounding of the reference); above, the
-    dequantized weight and PyTorch's GEMM give the reference's result exactly."""
-    layer = grid_layer(scheme, in_features, out_features)
-    if layer.group_size % 2 and layer.group_size < in_features:
-        assert "cpu_native_w4a16" not in [k.name for k in candidates(layer)]
-        return
-    assert [k.name for k in candidates(layer)][:1] == ["cpu_native_w4a16"]
-    x = rows(count, in_features)
-    with forced_kernel(layer, "cpu_native_w4a16"), torch.no_grad():
-        found = layer(x)
-    with forced_kernel(layer, "reference"), torch.no_grad():
-        expected = layer(x)
-    if count > 16:
-        assert torch.equal(found, expected)
-    else:
-        torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_compiler

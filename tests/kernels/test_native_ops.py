@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.kernels.test_grid_kernels import GRID_SCHEMES
 from tests.runtime.test_decoder import FAMILIES, family_model, prompt
 
 import llmeasyquant as lq
@@ -249,12 +250,13 @@ def test_dequantize_int4_is_the_reference_weight_bit_for_bit(ops, scheme, in_fea
     assert torch.equal(found, layer.dequantize())
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-g32-asym", "w4a16-g64", "w4a16-g30", "w4a16-g33"])
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-g32-asym", "w4a16-g64", "w4a16-g30", "w4a16-g33", *GRID_SCHEMES])
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (100, 7), (101, 5)])
 @pytest.mark.parametrize("count", [1, 3, 5, 16, 17, 40])
 def test_int4_weight_kernel_matches_the_reference_in_fp32(ops, scheme, in_features, out_features, count):
-    """W4A16 on the fused operators: the registry's first choice; to fp32 rounding of the reference up to 16 rows
-    (weights dequantized in registers), its exact result above (the same fp32 weight and GEMM)."""
+    """W4A16 on the fused operators, uniform codes or a grid's table: the registry's first choice; to fp32 rounding
+    of the reference up to 16 rows (weights dequantized in registers), its exact result above (the same fp32 weight
+    and GEMM)."""
     layer = int4_layer(scheme, in_features, out_features)
     if layer.group_size % 2 and layer.group_size < in_features:
         assert "cpu_native_w4a16" not in [k.name for k in candidates(layer)]  # an odd group starts mid-byte
