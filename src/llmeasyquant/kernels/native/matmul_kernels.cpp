@@ -6,7 +6,6 @@
 #include "common.h"
 
 #include <cstring>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -466,6 +465,19 @@ void w4a8_tile_scalar(const Int4TiledWeights& w, int64_t t, int64_t rows, const 
 // and 4 x 2 float accumulators, plus the weights, fit AVX-512's 32 registers).
 constexpr int64_t kW4A8Rows = 8, kW4A8PairRows = 4;
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Every row of y [rows, out] for tiles t..t+T-1: R rows per call, then the rest one at a time.
+template <int R, int T>
+void w4a8_rows(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t* qx, int64_t stride,
+               const int32_t* sums, const float* x_scales, float* y) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R)
+    w4a8_tiles<R, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r, y + r * w.out, w.out);
+  for (; r < rows; ++r)
+    w4a8_tiles<1, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r, y + r * w.out, w.out);
+}
+#endif
+
 }  // namespace
 
 // qx: [rows, in] int8, x_scales: [rows, 1] fp32, tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16]
@@ -514,35 +526,18 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
   const float* pxs = x_scales.data_ptr<float>();
   at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end;) {
-      int64_t r = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-      const auto at_row = [&](int64_t row) { return std::make_tuple(pq + row * stride, sums.data() + row * groups,
-                                                                     pxs + row, py + row * out_features); };
       if (t + 1 < end) {  // two tiles per broadcast of activations (fewer broadcasts per sum: measured faster)
-        for (; r + kW4A8PairRows <= rows; r += kW4A8PairRows) {
-          auto [q, s, xs, out] = at_row(r);
-          w4a8_tiles<kW4A8PairRows, 2>(w, t, q, stride, s, xs, out, out_features);
-        }
-        for (; r < rows; ++r) {
-          auto [q, s, xs, out] = at_row(r);
-          w4a8_tiles<1, 2>(w, t, q, stride, s, xs, out, out_features);
-        }
+        w4a8_rows<kW4A8PairRows, 2>(w, t, rows, pq, stride, sums.data(), pxs, py);
         t += 2;
-        continue;
+      } else {
+        w4a8_rows<kW4A8Rows, 1>(w, t, rows, pq, stride, sums.data(), pxs, py);
+        ++t;
       }
-      for (; r + kW4A8Rows <= rows; r += kW4A8Rows) {
-        auto [q, s, xs, out] = at_row(r);
-        w4a8_tiles<kW4A8Rows, 1>(w, t, q, stride, s, xs, out, out_features);
-      }
-      for (; r < rows; ++r) {
-        auto [q, s, xs, out] = at_row(r);
-        w4a8_tiles<1, 1>(w, t, q, stride, s, xs, out, out_features);
-      }
-#endif
-      if (r < rows)
-        w4a8_tile_scalar(w, t, rows - r, pq + r * stride, stride, sums.data() + r * groups, pxs + r,
-                         py + r * out_features, out_features);
+#else
+      w4a8_tile_scalar(w, t, rows, pq, stride, sums.data(), pxs, py, out_features);
       ++t;
+#endif
     }
   });
   return y;
