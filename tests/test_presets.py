@@ -31,6 +31,7 @@ def test_options_spell_the_same_recipe():
     assert int(words[words.index("--act-bits") + 1]) == 4
     assert ("--asym" in words) == (not scheme.symmetric)
     assert words[words.index("--kv-bits") + 1] == "4"
+    assert ("--online-rotation" in words) == chosen.online_rotation
 
 
 def test_unknown_preset_lists_the_known_ones():

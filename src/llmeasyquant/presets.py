@@ -17,11 +17,13 @@ from llmeasyquant.scheme import parse_scheme
 
 @dataclass(frozen=True)
 class Preset:
-    """A recipe (`method`, as `--method` spells it), the body's scheme, the LM head's scheme (None: kept in float),
+    """A recipe (`method`, as `--method` spells it, with `online_rotation` the rotate step's run-time Hadamard of the
+    down projection's input), the body's scheme, the LM head's scheme (None: left to --lm-head, float by default),
     the KV cache's bits (None: float), and the measured result quoted in `--help` and docs/methods.md."""
 
     name: str
     method: str
+    online_rotation: bool
     scheme: str
     lm_head: str | None
     kv_bits: int | None
@@ -31,7 +33,8 @@ class Preset:
     def options(self) -> str:
         """The same recipe as explicit `quantize` options."""
         scheme = parse_scheme(self.scheme)
-        text = f"--method {self.method} --bits {scheme.bits}"
+        text = f"--method {self.method}" + (" --online-rotation" if self.online_rotation else "")
+        text += f" --bits {scheme.bits}"
         if scheme.group_size:
             text += f" --group-size {scheme.group_size}"
         if not scheme.symmetric:
@@ -48,10 +51,10 @@ class Preset:
 
 
 QUANTIZE_PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("w4a16-g64", "rotate+gptq", "w4a16-g64-asym", "w8a16", None, "to be measured"),
-    Preset("w3a16-g64", "rotate+gptq", "w3a16-g64-asym", "w8a16", None, "to be measured"),
-    Preset("w4a8-g64", "rotate+gptq", "w4a8-g64-asym", "w8a16", None, "to be measured"),
-    Preset("w4a4-kv4", "rotate+gptq", "w4a4-g64-asym", "w8a16", 4, "to be measured"),
+    Preset("w4a16-g64", "rotate+gptq", True, "w4a16-g64-asym", None, None, "to be measured"),
+    Preset("w3a16-g64", "rotate+gptq", True, "w3a16-g64-asym", None, None, "to be measured"),
+    Preset("w4a8-g64", "rotate+gptq", True, "w4a8-g64-asym", None, None, "to be measured"),
+    Preset("w4a4-kv4", "rotate+gptq", True, "w4a4-g64-asym", None, 4, "to be measured"),
 )}
 
 

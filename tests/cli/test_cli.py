@@ -15,6 +15,7 @@ from cli_helpers import assert_one_line_error, run
 from llmeasyquant.cli import main
 from llmeasyquant.export.checkpoint import QCONFIG_FILE, WEIGHTS_FILE, checkpoint_bytes
 from llmeasyquant.nn.qlinear import quantized_layers
+from llmeasyquant.nn.transform import input_transform_of
 from llmeasyquant.record import read_records
 
 EVAL_ARGS = ["--seqlen", "32", "--max-windows", "3"]
@@ -230,17 +231,21 @@ def test_kv_option_errors(capsys, llama_folder: Path, tmp_path: Path, args: list
 
 def test_quantize_preset_is_its_recipe_and_refuses_contradicting_options(capsys, llama_folder: Path, wiki_text: Path,
                                                                          tmp_path: Path) -> None:
-    """`--preset w4a8-g64` quantizes with the recipe the presets table names (rotation, GPTQ, W4A8 g64 asymmetric,
-    the head in W8A16), on the shipped calibration text unless --calib says otherwise; an option that contradicts
-    it is a one-line error."""
+    """`--preset w4a8-g64` quantizes with the recipe the presets table names, on the shipped calibration text unless
+    --calib says otherwise, and takes what the preset leaves open (here the LM head's scheme); an option that
+    contradicts it is a one-line error."""
+    from llmeasyquant.presets import preset
+
+    chosen = preset("w4a8-g64")
     out = tmp_path / "preset"
     assert main(["--quiet", "quantize", str(llama_folder), "--preset", "w4a8-g64", "--calib", str(wiki_text),
-                 "--calib-samples", "2", "--calib-seqlen", "32", "--out", str(out)]) == 0
+                 "--calib-samples", "2", "--calib-seqlen", "32", "--lm-head", "w8a16", "--out", str(out)]) == 0
     model, _ = lq.load(out)
-    assert [r["method"] for r in model.llmeasyquant.recipe] == ["rotate", "gptq"]
+    assert [r["method"] for r in model.llmeasyquant.recipe] == chosen.method.split("+")
+    assert (input_transform_of(model.model.layers[0].mlp.down_proj) is not None) == chosen.online_rotation
     layers = quantized_layers(model)
     assert layers["lm_head"].scheme == lq.parse_scheme("w8a16")
-    assert {layer.scheme.name for name, layer in layers.items() if name != "lm_head"} == {"w4a8-g64-asym"}
+    assert {layer.scheme.name for name, layer in layers.items() if name != "lm_head"} == {chosen.scheme}
     code, _, err = run(capsys, "quantize", llama_folder, "--preset", "w4a8-g64", "--bits", "8", "--lm-head", "w8a16",
                        "--out", tmp_path / "other")
     assert_one_line_error(code, err, "--preset w4a8-g64 sets the recipe", "drop --bits or drop --preset")

@@ -96,11 +96,12 @@ def apply_preset(args: argparse.Namespace) -> None:
     chosen = preset(args.preset)
     given = [flag for flag, value in (("--method", args.method), ("--bits", args.bits), ("--group-size",
              args.group_size), ("--asym", args.asym or None), ("--act-bits", args.act_bits), ("--plan", args.plan),
-             ("--act-mode", args.act_mode), ("--static", args.static or None), ("--grid", args.grid))
+             ("--act-mode", args.act_mode), ("--static", args.static or None), ("--grid", args.grid),
+             ("--online-rotation", args.online_rotation))
              if value is not None]
     for flag, mine, theirs in (("--lm-head", args.lm_head, chosen.lm_head), ("--kv-bits", args.kv_bits,
                                                                               chosen.kv_bits)):
-        if mine is not None and mine != theirs:
+        if mine is not None and theirs is not None and mine != theirs:  # adding what the preset leaves open is fine
             given.append(flag)
     if given:
         raise LLMEasyQuantError(f"--preset {chosen.name} sets the recipe ({chosen.options}); drop {', '.join(given)} "
@@ -108,8 +109,9 @@ def apply_preset(args: argparse.Namespace) -> None:
     scheme = parse_scheme(chosen.scheme)
     args.method, args.bits, args.group_size = chosen.method, scheme.bits, scheme.group_size
     args.asym, args.act_bits = not scheme.symmetric, 16 if scheme.act is None else scheme.act.bits
-    args.grid = scheme.grid
-    args.lm_head, args.kv_bits = chosen.lm_head, chosen.kv_bits
+    args.grid, args.online_rotation = scheme.grid, chosen.online_rotation or None
+    args.lm_head = args.lm_head if chosen.lm_head is None else chosen.lm_head
+    args.kv_bits = args.kv_bits if chosen.kv_bits is None else chosen.kv_bits
     args.calib = args.calib or "wikitext2"
     log.info("preset %s: %s", chosen.name, chosen.options)
 
