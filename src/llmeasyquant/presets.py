@@ -51,10 +51,14 @@ class Preset:
 
 
 QUANTIZE_PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("w4a16-g64", "rotate+gptq", True, "w4a16-g64-asym", None, None, "to be measured"),
-    Preset("w3a16-g64", "rotate+gptq", True, "w3a16-g64-asym", None, None, "to be measured"),
-    Preset("w4a8-g64", "rotate+gptq", True, "w4a8-g64-asym", None, None, "to be measured"),
-    Preset("w4a4-kv4", "rotate+gptq", True, "w4a4-g64-asym", None, 4, "to be measured"),
+    Preset("w4a16-g64", "rotate+gptq", False, "w4a16-g64-asym", None, None,
+           "+12.0% perplexity at 4.375 bits per weight"),
+    Preset("w3a16-g64", "rotate+gptq", True, "w3a16-g64-asym", None, None,
+           "+72% at 3.375 bits, on the reduced protocol of 10 windows and 16 calibration samples"),
+    Preset("w4a8-g64", "rotate+gptq", False, "w4a8-g64-asym", None, None,
+           "+11.7% at 4.375 bits, int8 activations on the integer kernel"),
+    Preset("w4a4-kv4", "rotate+gptq", True, "w4a4-g64-asym", None, 4,
+           "+211% at 4.375 bits and a 4-bit KV cache, on the reduced protocol: far from usable yet"),
 )}
 
 
