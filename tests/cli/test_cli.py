@@ -234,7 +234,7 @@ def test_quantize_preset_is_its_recipe_and_refuses_contradicting_options(capsys,
     """`--preset w4a8-g64` quantizes with the recipe the presets table names, on the shipped calibration text unless
     --calib says otherwise, and takes what the preset leaves open (here the LM head's scheme); an option that
     contradicts it is a one-line error."""
-    from llmeasyquant.presets import preset
+    from llmeasyquant.presets import QUANTIZE_PRESETS, preset
 
     chosen = preset("w4a8-g64")
     out = tmp_path / "preset"
@@ -246,6 +246,11 @@ def test_quantize_preset_is_its_recipe_and_refuses_contradicting_options(capsys,
     layers = quantized_layers(model)
     assert layers["lm_head"].scheme == lq.parse_scheme("w8a16")
     assert {layer.scheme.name for name, layer in layers.items() if name != "lm_head"} == {chosen.scheme}
+    with pytest.raises(SystemExit) as info:  # the presets and their measured figures are listed in --help
+        main(["quantize", "--help"])
+    assert info.value.code == 0
+    listed = "".join(capsys.readouterr().out.split())  # argparse wraps lines, at hyphens too
+    assert all("".join(f"{name}: {p.options} ({p.measured})".split()) in listed for name, p in QUANTIZE_PRESETS.items())
     code, _, err = run(capsys, "quantize", llama_folder, "--preset", "w4a8-g64", "--bits", "8", "--lm-head", "w8a16",
                        "--out", tmp_path / "other")
     assert_one_line_error(code, err, "--preset w4a8-g64 sets the recipe", "drop --bits or drop --preset")

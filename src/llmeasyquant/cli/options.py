@@ -35,8 +35,8 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", choices=tuple(QUANTIZE_PRESETS), help="the recipe measured best for a bit budget "
                    "(docs/methods.md, 'Presets'), calibrated on --calib (default wikitext2): " + "; ".join(
-                       f"{p.name}: {p.options} ({p.measured})" for p in QUANTIZE_PRESETS.values())
-                   + ". Replaces --method and the scheme options")
+                       f"{p.name}: {p.options} ({p.measured})" for p in QUANTIZE_PRESETS.values()).replace("%", "%%")
+                   + ". Replaces --method and the scheme options")  # %%: argparse formats help strings
     p.add_argument("--method", help=METHOD_HELP)
     p.add_argument("--bits", type=int, help="weight bits: 2, 3, 4 or 8 (default 8). With none of --bits, "
                    "--group-size, --asym, --act-bits, --act-mode the method's own scheme is used: rtn w8a16, gptq "
