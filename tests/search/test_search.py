@@ -160,6 +160,36 @@ def test_search_meets_the_budget_and_predicts_the_size_exactly(tiny_llama, calib
     assert bits_per_weight(quantized) == pytest.approx(result.predicted["avg_bits"], rel=1e-12)
 
 
+def test_search_over_named_schemes_chooses_among_them(tiny_llama, calib) -> None:
+    names = ("w8a16-g32", "w3a16-g32-asym", "w4a16-g32-learned")
+    search = MixedPrecisionSearch(method="rtn", candidate_schemes=names, probe_tokens=32)
+    assert [s.name for s in search.schemes()] == ["w3a16-g32-asym", "w4a16-g32-learned", "w8a16-g32"]
+    result = search.run(tiny_llama, calib, Budget(avg_bits=4.8), progress=False)
+    assert result.predicted["avg_bits"] <= 4.8
+    chosen = {s.name for s in result.plan.resolve(tiny_llama).values()}
+    assert chosen <= set(names) and len(chosen) > 1
+    assert {layer.scheme for layer in result.layers} == chosen
+    assert all(set(layer.loss) == set(names) for layer in result.layers)
+    assert sum(result.scheme_histogram().values()) == sum(layer.weights for layer in result.layers)
+    quantized = lq.quantize(tiny_llama, lq.RTN(), result.plan, progress=False)
+    assert bits_per_weight(quantized) == pytest.approx(result.predicted["avg_bits"], rel=1e-12)
+
+
+def test_a_rotated_search_measures_the_rotated_model_and_leaves_the_model_as_it_was(make_model, calib) -> None:
+    model = make_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = MixedPrecisionSearch(candidates=(2, 3), group_size=32, method="rtn", probe_tokens=32)
+    rotated = MixedPrecisionSearch(candidates=(2, 3), group_size=32, method="rotate+rtn", probe_tokens=32)
+    plain_losses = plain.measure(model, calib, progress=False).losses
+    rotated_losses = rotated.measure(model, calib, progress=False).losses
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert plain_losses.keys() == rotated_losses.keys() and plain_losses != rotated_losses
+    # what the rotated search measured is what the rotated recipe quantizes
+    result = rotated.allocate(rotated.measure(model, calib, progress=False), Budget(avg_bits=3.0))
+    quantized = lq.quantize(model, [lq.Rotate(), lq.RTN()], result.plan, progress=False)
+    assert bits_per_weight(quantized) == pytest.approx(result.predicted["avg_bits"], rel=1e-12)
+
+
 def test_search_is_deterministic(make_model, calib) -> None:
     search = MixedPrecisionSearch(group_size=32, probe_tokens=32)
     first = search.run(make_model("llama"), calib, Budget(avg_bits=3.5), progress=False)
@@ -181,6 +211,11 @@ def test_byte_budget_and_gpt2(tiny_gpt2, calib) -> None:
     ({"sensitivity": "magic"}, Budget(avg_bits=4), "unknown sensitivity 'magic'"),
     ({"solver": "anneal"}, Budget(avg_bits=4), "unknown solver 'anneal'"),
     ({"candidates": ()}, Budget(avg_bits=4), "distinct bit widths"),
+    ({"candidate_schemes": ("w4a16", "w4a16")}, Budget(avg_bits=4), "distinct"),
+    ({"candidate_schemes": ("w4a8-g64", "w8a16")}, Budget(avg_bits=4), "quantizes activations.*weight-only"),
+    ({"candidate_schemes": ("w4a16-g64-nf9",)}, Budget(avg_bits=4), "cannot read scheme"),
+    ({"method": "awq+gptq"}, Budget(avg_bits=4), "whole-model transforms only"),
+    ({"method": "rotate+awq"}, Budget(avg_bits=4), "quantizes with gptq or rtn"),
 ])
 def test_bad_search_options(options, budget, needle) -> None:
     with pytest.raises(ConfigError, match=needle):
@@ -225,6 +260,13 @@ def test_search_cli_writes_a_plan_that_quantize_applies(capsys, llama_folder: Pa
     code, _, err = run(capsys, "search", llama_folder, "--avg-bits", "4.5", "--sensitivity", "entropy",
                        "--method", "rtn", "--out", plan)
     assert_one_line_error(code, err, "exists already", "--force")
+    code, out, err = run(capsys, "search", llama_folder, "--avg-bits", "5", "--sensitivity", "entropy",
+                         "--method", "rotate+rtn", "--candidates", "w3a16-g32-asym,w4a16-g32-nf4,w8a16-g32",
+                         "--out", tmp_path / "named.json")
+    assert code == 0, err
+    shares = out.split("weights per candidate: ")[1].splitlines()[0]
+    assert {part.split()[0] for part in shares.split(", ")} <= {"w3a16-g32-asym", "w4a16-g32-nf4", "w8a16-g32"}
+    assert "--method rotate+rtn" in out
     code, _, err = run(capsys, "search", llama_folder, "--avg-bits", "4.5", "--calib", wiki_text, "--verify",
                        "--text", wiki_text, "--out", tmp_path / "other.json")
     assert_one_line_error(code, err, "same text")
@@ -232,6 +274,9 @@ def test_search_cli_writes_a_plan_that_quantize_applies(capsys, llama_folder: Pa
 
 @pytest.mark.parametrize("args, needles", [
     (["--avg-bits", "4", "--candidates", "2,x"], ["--candidates", "2,x"]),
+    (["--avg-bits", "4", "--candidates", "3,w4a16-g64"], ["mixes bit widths and scheme names"]),
+    (["--avg-bits", "4", "--candidates", "w4a8,w8a16", "--method", "rtn", "--sensitivity", "entropy"],
+     ["w4a8", "weight-only"]),
     (["--avg-bits", "4", "--candidates", "3,6", "--method", "rtn", "--sensitivity", "entropy"], ["bit width 6"]),
     (["--avg-bits", "4"], ["needs calibration text", "--calib"]),
     (["--avg-bits", "1", "--method", "rtn", "--sensitivity", "entropy"], ["cheapest allocation"]),

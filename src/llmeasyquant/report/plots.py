@@ -41,10 +41,12 @@ def plot_bits_per_layer(result: Any, path: str | Path) -> Path:
         axes.bar([0], [0], color=colour, label=kind)
     axes.set_xlabel("linear layer, in model order")
     axes.set_ylabel("bits")
-    axes.set_yticks(sorted(set(result.search.candidates)))
     s, p = result.search, result.predicted
+    axes.set_yticks(sorted({scheme.bits for scheme in s.schemes()}))
+    among = (", ".join(s.candidate_schemes) if s.candidate_schemes
+             else f"group {s.group_size or 'per channel'}")
     axes.set_title(f"{s.method} plan for {result.budget.label()} ({p['avg_bits']:.3f} bits/weight), sensitivity "
-                   f"{s.sensitivity}, group {s.group_size or 'per channel'}", fontsize=9)
+                   f"{s.sensitivity}, {among}", fontsize=9)
     axes.legend(fontsize=7, ncol=len(kinds), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     return _save(figure, path)
 

@@ -8,6 +8,7 @@ count `bits_per_weight` reports for the quantized model, so a plan within the bu
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -22,10 +23,11 @@ from torch import nn
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.export.checkpoint import stored_tensors
 from llmeasyquant.infra.files import check_output, write_atomic
+from llmeasyquant.methods import ModelTransform, recipe_by_name
 from llmeasyquant.models.arch import arch_for, get_module, linear_weight
 from llmeasyquant.nn.qlinear import layer_storage_bytes
 from llmeasyquant.plan import Plan, Rule
-from llmeasyquant.scheme import PerChannel, PerGroup, QuantScheme
+from llmeasyquant.scheme import PerChannel, PerGroup, QuantScheme, parse_scheme
 from llmeasyquant.search.allocate import SOLVERS
 from llmeasyquant.search.sensitivity import QUANTIZERS, SENSITIVITIES, layer_sensitivities
 
@@ -57,7 +59,12 @@ class MixedPrecisionSearch:
     candidates: tuple[int, ...] = (2, 3, 4, 8)
     group_size: int | None = 128  # None: per output channel
     symmetric: bool = False
-    method: str = "gptq"  # the quantizer the plan is made for, and that makes each candidate's weights
+    # The quantizer the plan is made for, and that makes each candidate's weights, optionally after whole-model
+    # transforms ("rotate+gptq"): the sensitivities are then measured on the transformed model.
+    method: str = "gptq"
+    # Named weight-only schemes to choose from instead of `candidates` x `group_size` x `symmetric` (e.g.
+    # w3a16-g64-asym, w4a16-g64-learned, w8a16-g64): each carries its own group, symmetry and grid.
+    candidate_schemes: tuple[str, ...] = ()
     sensitivity: str = "kl"
     solver: str = "exact"
     lam: float = 0.0  # λ of Σ loss + λ·Σ bits: > 0 trades quality for size below the budget
@@ -67,10 +74,15 @@ class MixedPrecisionSearch:
     def __post_init__(self) -> None:
         if not self.candidates or len(set(self.candidates)) != len(self.candidates):
             raise ConfigError(f"candidates must be distinct bit widths, got {self.candidates}")
+        if len(set(self.candidate_schemes)) != len(self.candidate_schemes):
+            raise ConfigError(f"candidate schemes must be distinct, got {', '.join(self.candidate_schemes)}")
         if self.sensitivity not in SENSITIVITIES:
             raise ConfigError(f"unknown sensitivity {self.sensitivity!r}; choose one of {', '.join(SENSITIVITIES)}")
-        if self.method not in QUANTIZERS:
-            raise ConfigError(f"the search quantizes with {' or '.join(QUANTIZERS)}, not {self.method!r}")
+        *transforms, quantizer = self.method.split("+")
+        if quantizer not in QUANTIZERS or not all(isinstance(step, ModelTransform)
+                                                  for step in recipe_by_name("+".join(transforms) or "rtn")[:-1]):
+            raise ConfigError(f"the search quantizes with {' or '.join(QUANTIZERS)}, after whole-model transforms "
+                              f"only (e.g. rotate+gptq), not {self.method!r}")
         if self.solver not in SOLVERS:
             raise ConfigError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
         if self.lam < 0 or self.probe_samples <= 0 or self.probe_tokens <= 1:
@@ -78,12 +90,34 @@ class MixedPrecisionSearch:
         self.schemes()  # unsupported bit widths and bad group sizes fail here
 
     def schemes(self) -> list[QuantScheme]:
-        granularity = PerChannel() if self.group_size is None else PerGroup(self.group_size)
-        return [QuantScheme(bits, self.symmetric, granularity) for bits in sorted(self.candidates)]
+        """The candidates, cheapest first (by the bits a 1024 x 1024 layer stores, then by name)."""
+        if not self.candidate_schemes:
+            granularity = PerChannel() if self.group_size is None else PerGroup(self.group_size)
+            return [QuantScheme(bits, self.symmetric, granularity) for bits in sorted(self.candidates)]
+        schemes = [parse_scheme(name) for name in self.candidate_schemes]
+        for scheme in schemes:
+            if scheme.act is not None:
+                raise ConfigError(f"candidate {scheme.name} quantizes activations, which the search does not "
+                                  "measure (it scores each layer's weights); give weight-only schemes (a16)")
+        return sorted(schemes, key=lambda s: (layer_storage_bytes(1024, 1024, s), s.name))
+
+    @property
+    def quantizer(self) -> str:
+        return self.method.split("+")[-1]
+
+    def transformed(self, model: nn.Module) -> nn.Module:
+        """`model` as the recipe's whole-model transforms leave it (a copy), or `model` itself without any."""
+        transforms = [step for step in recipe_by_name(self.method) if isinstance(step, ModelTransform)]
+        if not transforms:
+            return model
+        model = copy.deepcopy(model)
+        for step in transforms:
+            step.apply_model(model, arch_for(model))
+        return model
 
     @property
     def needs_calibration(self) -> bool:
-        return self.sensitivity != "entropy" or self.method == "gptq"
+        return self.sensitivity != "entropy" or self.quantizer == "gptq"
 
     def run(self, model: nn.Module, calib: torch.Tensor | None, budget: Budget, progress: bool = True,
             keep_fp32: bool = False) -> SearchResult:
@@ -99,8 +133,8 @@ class MixedPrecisionSearch:
                               "calibration text (--calib), or use --sensitivity entropy --method rtn")
         names = _searched_layers(model)
         probe = calib[: self.probe_samples, : self.probe_tokens] if calib is not None else None
-        losses = layer_sensitivities(model, names, self.schemes(), self.sensitivity, self.method, calib, probe,
-                                     progress)
+        losses = layer_sensitivities(self.transformed(model), names, self.schemes(), self.sensitivity,
+                                     self.quantizer, calib, probe, progress)
         shapes = {n: tuple(linear_weight(get_module(model, n)).shape) for n in names}  # [out, in]
         return Sensitivities(tuple(names), shapes, losses, _fixed_bytes(model, names, keep_fp32),
                              time.perf_counter() - start)
@@ -120,9 +154,9 @@ class MixedPrecisionSearch:
                                   f"({sens.fixed_bytes / 2**20:.2f} MB)")
         allocation = SOLVERS[self.solver](costs, [sens.losses[n] for n in names], budget_bits, self.lam)
         chosen = {n: schemes[j] for n, j in zip(names, allocation.choice, strict=True)}
-        layers = [LayerChoice(n, sens.shapes[n][0] * sens.shapes[n][1], chosen[n].bits,
+        layers = [LayerChoice(n, sens.shapes[n][0] * sens.shapes[n][1], chosen[n].bits, chosen[n].name,
                               costs[i][allocation.choice[i]] // 8,
-                              dict(zip([s.bits for s in schemes], sens.losses[n], strict=True)))
+                              dict(zip([s.name for s in schemes], sens.losses[n], strict=True)))
                   for i, n in enumerate(names)]
         predicted = {"avg_bits": allocation.cost / weights, "quantized_bytes": allocation.cost // 8,
                      "tensor_bytes": sens.fixed_bytes + allocation.cost // 8, "loss": allocation.loss,
@@ -147,8 +181,9 @@ class LayerChoice:
     name: str
     weights: int
     bits: int
-    bytes: int  # stored bytes at the chosen width
-    loss: dict[int, float]  # sensitivity per candidate bit width
+    scheme: str  # the chosen candidate's name
+    bytes: int  # stored bytes at the chosen candidate
+    loss: dict[str, float]  # sensitivity per candidate, by scheme name
 
 
 @dataclass
@@ -178,6 +213,13 @@ class SearchResult:
         for layer in self.layers:
             counts[layer.bits] = counts.get(layer.bits, 0) + layer.weights
         return dict(sorted(counts.items()))
+
+    def scheme_histogram(self) -> dict[str, int]:
+        """Quantized weights per chosen candidate, in the order of the candidates."""
+        counts = {scheme.name: 0 for scheme in self.search.schemes()}
+        for layer in self.layers:
+            counts[layer.scheme] += layer.weights
+        return {name: n for name, n in counts.items() if n}
 
 
 def _searched_layers(model: nn.Module) -> list[str]:
