@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from llmeasyquant.errors import DataError
 from llmeasyquant.plan import Plan
-from llmeasyquant.record import PROTOCOL_KEYS, SCHEMA_VERSION, Record, read_records, write_records
+from llmeasyquant.record import PROTOCOL_KEYS, SCHEMA_VERSION, Record, read_records, this_command, write_records
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 OLD = {"kind": "eval", "model": "m", "metrics": {"ppl": 12.5}, "protocol": {"seqlen": 32, "bos": False},
@@ -105,3 +106,12 @@ def test_every_benchmark_result_loads(path: Path) -> None:
     assert records and all(isinstance(r, Record) and r.kind and r.versions for r in records)
     items = data if isinstance(data, list) else [data]
     assert [r.to_dict() for r in records] == [item | {"schema_version": 1} for item in items]
+
+
+def test_a_records_command_names_paths_without_this_machines_folders(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    inside, outside = tmp_path / "results" / "run.json", "/opt/tools/build/bin"
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/bench.py", "--out", str(inside), f"--tools={outside}", "--seed", "3",
+                                      "-"])
+    assert this_command() == "bench.py --out results/run.json --tools=bin --seed 3 -"
+    assert "/" not in this_command().replace("results/run.json", "")

@@ -62,8 +62,22 @@ def machine() -> dict:
 
 
 def this_command() -> str:
-    """This process's command line, as a record names it when no command is passed in."""
-    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    """This process's command line, as a record names it when no command is passed in. Absolute paths are written
+    relative to the working folder when inside it, else by their last name: a record names its inputs and outputs,
+    not the folders of the machine that made it."""
+    return " ".join([Path(sys.argv[0]).name, *map(_portable_argument, sys.argv[1:])])
+
+
+def _portable_argument(argument: str) -> str:
+    option, equals, value = argument.rpartition("=") if argument.startswith("--") else ("", "", argument)
+    if not value.startswith("/"):
+        return argument
+    path = Path(value)
+    try:
+        shown = str(path.relative_to(Path.cwd()))
+    except ValueError:
+        shown = path.name or value
+    return f"{option}{equals}{shown}"
 
 
 @dataclasses.dataclass(frozen=True)

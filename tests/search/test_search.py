@@ -267,6 +267,9 @@ def test_search_cli_writes_a_plan_that_quantize_applies(capsys, llama_folder: Pa
     shares = out.split("weights per candidate: ")[1].splitlines()[0]
     assert {part.split()[0] for part in shares.split(", ")} <= {"w3a16-g32-asym", "w4a16-g32-nf4", "w8a16-g32"}
     assert "--method rotate+rtn" in out
+    code, out, err = run(capsys, "quantize", llama_folder, "--method", "rotate+rtn", "--plan", tmp_path / "named.json",
+                         "--out", tmp_path / "rotated")
+    assert code == 0, err
     code, _, err = run(capsys, "search", llama_folder, "--avg-bits", "4.5", "--calib", wiki_text, "--verify",
                        "--text", wiki_text, "--out", tmp_path / "other.json")
     assert_one_line_error(code, err, "same text")
