@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,3 +128,15 @@ def test_compare_on_self_generated_text_says_so(offline, llama_folder, tmp_path,
     for row in read_records(out):
         assert row.protocol["text_kind"] == "self-generated"
         assert row.protocol["text_source"].startswith("self-generated")
+
+
+def test_the_second_domain_is_shipped_in_two_halves_that_share_no_topic(offline, tiny_llama, tiny_tokenizer):
+    test = resolve_text("pyref", tiny_llama, tiny_tokenizer, tokens_needed=64)
+    assert test.kind == "shipped" and test.description.startswith("Python Language Reference topics, test half")
+    ids, calib = calibration_ids("python-reference", tiny_llama, tiny_tokenizer, samples=2, seqlen=16)
+    assert ids.shape == (2, 16) and calib.sha256 == texts.SHIPPED["pyref"]["validation"].sha256
+    # topics alternate between the halves, in name order: the first two go one to each
+    assert test.text.startswith("assert\n\nThe \"assert\" statement") and calib.text.startswith("assignment\n\n")
+    with pytest.raises(lq.DataError, match="evaluation"):  # the test half is refused as calibration
+        calibration_ids(str(Path(texts.__file__).parent / texts.SHIPPED["pyref"]["test"].file), tiny_llama,
+                        tiny_tokenizer, samples=2, seqlen=16)

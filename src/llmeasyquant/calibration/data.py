@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TEXT = "wikitext2"  # evaluation and calibration text when none is given: shipped, so it works offline
 SELF_TEXT = "self"
 HUB_PREFIX = "hub:"
-TEXT_SPECS = "a file path, a shipped text (wikitext2), 'hub:DATASET[:CONFIG]' or 'self'"
+TEXT_SPECS = "a file path, a shipped text (wikitext2, pyref), 'hub:DATASET[:CONFIG]' or 'self'"
 
 TextKind = Literal["shipped", "file", "hub", "self-generated"]
 

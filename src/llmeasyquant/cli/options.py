@@ -21,7 +21,8 @@ METHOD_HELP = ("rtn, gptq, awq, smoothquant, zeroquant, rotate (a rotation of th
 
 def add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:
     p.add_argument("--text", help="evaluation text: 'wikitext2' (the shipped WikiText-2 raw test split; the default), "
-                   "a file, 'hub:DATASET[:CONFIG]' (its test split, needs the 'hub' extra and a network) or 'self' "
+                   "'pyref' (shipped Python Language Reference topics, a second domain), a file, "
+                   "'hub:DATASET[:CONFIG]' (its test split, needs the 'hub' extra and a network) or 'self' "
                    "(text the unquantized model generates; its figures say so)")
     p.add_argument("--seqlen", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--max-windows", type=int, default=max_windows,
@@ -72,8 +73,8 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
 
 def add_calib_text_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib", help="calibration text for methods that need it: 'wikitext2' (the shipped WikiText-2 "
-                   "validation split), a file, 'hub:DATASET[:CONFIG]' (its validation split) or 'self' (text the "
-                   "model generates)")
+                   "validation split), 'pyref' (the other half of the Python reference topics), a file, "
+                   "'hub:DATASET[:CONFIG]' (its validation split) or 'self' (text the model generates)")
     p.add_argument("--calib-samples", type=int, default=64, help="calibration samples (default 64)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sample (default 512)")
 

@@ -1,7 +1,9 @@
 """Texts shipped inside the package, by name, so that evaluation and calibration work offline on a fresh install.
 
 `--text wikitext2` reads the WikiText-2 raw test split and `--calib wikitext2` the validation split, from the files
-beside this module (see wikitext2/README.md for their source and licence). Each file's sha256 is checked on every
+beside this module (see wikitext2/README.md for their source and licence). `pyref` is a second domain: the topics of
+the Python Language Reference (technical prose and code; pyref/README.md), for checking that a result tuned on
+WikiText-2 holds on other text. Each file's sha256 is checked on every
 read: it is the identity that result records carry, so a changed file must fail rather than give other figures.
 """
 
@@ -40,8 +42,17 @@ SHIPPED: dict[str, dict[str, ShippedFile]] = {
                                   "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8",
                                   "WikiText-2 validation"),
     },
+    "pyref": {
+        "test": ShippedFile("pyref/reference.test.txt",
+                            "70cce85193e572a8c8f3e19668657793cdab762c5d45603687d2c288325188a2",
+                            "Python Language Reference topics, test half"),
+        "validation": ShippedFile("pyref/reference.valid.txt",
+                                  "5570c04edd96ae8057c5259878166d8c61a5ccdf826a8fa27662db574109de94",
+                                  "Python Language Reference topics, validation half"),
+    },
 }
-ALIASES = {"wikitext2": "wikitext2", "wikitext-2": "wikitext2", "wikitext": "wikitext2"}
+ALIASES = {"wikitext2": "wikitext2", "wikitext-2": "wikitext2", "wikitext": "wikitext2", "pyref": "pyref",
+           "python-reference": "pyref"}
 
 # The sha256 of every shipped evaluation split: calibrating on one of them would flatter every result.
 EVALUATION_SHA256 = {f.sha256: f.label for splits in SHIPPED.values() for s, f in splits.items() if s == "test"}
