@@ -133,10 +133,12 @@ class MixedPrecisionSearch:
                               "calibration text (--calib), or use --sensitivity entropy --method rtn")
         names = _searched_layers(model)
         probe = calib[: self.probe_samples, : self.probe_tokens] if calib is not None else None
-        losses = layer_sensitivities(self.transformed(model), names, self.schemes(), self.sensitivity,
-                                     self.quantizer, calib, probe, progress)
+        # A rotation changes what is stored beside the searched layers too (it unties a tied LM head).
+        work = self.transformed(model)
+        losses = layer_sensitivities(work, names, self.schemes(), self.sensitivity, self.quantizer, calib, probe,
+                                     progress)
         shapes = {n: tuple(linear_weight(get_module(model, n)).shape) for n in names}  # [out, in]
-        return Sensitivities(tuple(names), shapes, losses, _fixed_bytes(model, names, keep_fp32),
+        return Sensitivities(tuple(names), shapes, losses, _fixed_bytes(work, names, keep_fp32),
                              time.perf_counter() - start)
 
     def allocate(self, sens: Sensitivities, budget: Budget) -> SearchResult:
