@@ -22,6 +22,13 @@ def test_the_issue_presets_exist_and_parse(name):
         assert parse_scheme(chosen.lm_head).act is None
 
 
+def test_the_gguf_preset_is_on_llama_cpps_own_grid_and_exports():
+    chosen = preset("w4a16-g32-gguf")
+    scheme = parse_scheme(chosen.scheme)
+    assert scheme.grid == "iq4nl" and scheme.group_size % 32 == 0 and not chosen.online_rotation
+    assert "--grid iq4nl" in chosen.options
+
+
 def test_options_spell_the_same_recipe():
     chosen = preset("w4a4-kv4")
     scheme = parse_scheme(chosen.scheme)
