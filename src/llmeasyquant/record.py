@@ -65,10 +65,11 @@ def this_command() -> str:
     """This process's command line, as a record names it when no command is passed in. Absolute paths are written
     relative to the working folder when inside it, else by their last name: a record names its inputs and outputs,
     not the folders of the machine that made it."""
-    return " ".join([Path(sys.argv[0]).name, *map(_portable_argument, sys.argv[1:])])
+    return " ".join([Path(sys.argv[0]).name, *map(portable_argument, sys.argv[1:])])
 
 
-def _portable_argument(argument: str) -> str:
+def portable_argument(argument: str) -> str:
+    """One command-line word as a record writes it (see `this_command`)."""
     option, equals, value = argument.rpartition("=") if argument.startswith("--") else ("", "", argument)
     if not value.startswith("/"):
         return argument

@@ -23,6 +23,7 @@ from llmeasyquant.cli.report import add_report_parser, cmd_report
 from llmeasyquant.cli.search import add_search_parser, cmd_search
 from llmeasyquant.cli.serve import add_serve_parser, cmd_serve
 from llmeasyquant.errors import LLMEasyQuantError
+from llmeasyquant.record import portable_argument
 
 log = logging.getLogger("llmeasyquant")
 
@@ -88,7 +89,7 @@ def _distributed_run(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The command line the records name, passed to each command (even when main() is called in-process).
-    args.command_line = " ".join(["llmeasyquant", *(sys.argv[1:] if argv is None else argv)])
+    args.command_line = " ".join(["llmeasyquant", *map(portable_argument, sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     import transformers
