@@ -9,7 +9,7 @@ tensor is drawn from its own generator, seeded from (seed, tensor name): the sam
 whatever the sharding. Tensors are drawn and written chunk by chunk, so memory stays far below the checkpoint's
 size (the 8B is 16 GB). The folder is written beside DIR under a temporary name and renamed when complete.
 `--check` then loads it with transformers and prints each block's hidden-state size and the logits' spread.
-The shapes, the initialisation and the measured times are in docs/RESULTS.md, 'Synthetic checkpoints'.
+The shapes, the initialisation and the measured times are in docs/RESULTS.md, 'Synthetic checkpoints at real sizes'.
 """
 
 from __future__ import annotations

@@ -191,3 +191,21 @@ def test_the_toolkit_loads_and_streams_it(folders):
         streamer.load_block(block)
     with torch.no_grad():
         assert torch.equal(streamed(ids).logits, expected)
+
+
+def test_the_cli_quantizes_it_with_rtn_streamed_or_not(folders, tmp_path, capsys):
+    from cli_helpers import run
+
+    outs = {}
+    for mode in ("plain", "stream"):
+        outs[mode] = tmp_path / mode
+        extra = ["--stream"] if mode == "stream" else []
+        code, _, err = run(capsys, "quantize", folders["llama-tiny"], "--bits", "4", "--group-size", "32", *extra,
+                           "--out", outs[mode])
+        assert code == 0, err
+    with safe_open(str(outs["plain"] / "model.safetensors"), "pt") as plain, \
+            safe_open(str(outs["stream"] / "model.safetensors"), "pt") as streamed:
+        assert set(plain.keys()) == set(streamed.keys())
+        assert sum(name.endswith(".qweight") for name in plain.keys()) == 7 * 2  # noqa: SIM118 (7 linears a block)
+        for name in plain.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            assert torch.equal(plain.get_tensor(name), streamed.get_tensor(name)), name
