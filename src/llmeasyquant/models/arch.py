@@ -108,6 +108,9 @@ class ArchSpec:
     decoder_missing: str | None = None
     # (config attribute, value) pairs the entry's paths assume; arch_for refuses a model with another value.
     requires: tuple[tuple[str, object], ...] = ()
+    # (module path, its name in the family's safetensors files) where they differ: transformers renames some on
+    # load (GPT-NeoX's head is `embed_out` on disk, `lm_head` in the model); block streaming reads the files.
+    stored_names: tuple[tuple[str, str], ...] = ()
 
 
 _LLAMA_LIKE = dict(
@@ -238,6 +241,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         rotary_embedding="gpt_neox.rotary_emb",
         decoder_missing="LayerNorms with biases, a GELU MLP without a gate, the per-head q/k/v layout and the "
                         "parallel residual",
+        stored_names=(("lm_head", "embed_out"),),
     ),
     # Falcon (7B layout): multi-query attention fused in query_key_value (all query heads, then one key and one
     # value head), attention and MLP in parallel on one LayerNorm's output, so that norm feeds both.
@@ -299,6 +303,14 @@ def query_columns(attention: AttentionSpec, heads: int, head_dim: int) -> torch.
     if attention.qkv_layout == "per_head":  # head h: columns [3h, 3h + 1) * head_dim are its query
         return (torch.arange(heads)[:, None] * 3 * head_dim + torch.arange(head_dim)[None, :]).flatten()
     raise ConfigError(f"unknown qkv_layout {attention.qkv_layout!r} in models/arch.py; use 'concat' or 'per_head'")
+
+
+def stored_name(arch: ArchSpec, name: str) -> str:
+    """The name a safetensors file of the family stores the model's tensor `name` under (`stored_names`)."""
+    for path, stored in arch.stored_names:
+        if name == path or name.startswith(path + "."):
+            return stored + name[len(path):]
+    return name
 
 
 def is_linear(module: nn.Module) -> bool:
