@@ -171,6 +171,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         attention=AttentionSpec(q=None, k=None, v=None, o="attn.c_proj", qkv="attn.c_attn"),
         smoothing=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
         rotary_embedding=None,
+        decoder_missing="learned positions instead of a rotary embedding, LayerNorms and a GELU MLP without a gate",
     ),
     "opt": ArchSpec(
         family="opt",
@@ -185,6 +186,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             ("final_layer_norm", ("fc1",)),
         ),
         rotary_embedding=None,
+        decoder_missing="learned positions instead of a rotary embedding, LayerNorms and a ReLU MLP without a gate",
     ),
     # Gemma: llama's layout, an embedding scaled by sqrt(hidden) inside its module, and RMSNorms that multiply by
     # (1 + w). GGUF not covered (llama.cpp's gemma stores 1 + w and scales in its graph).
