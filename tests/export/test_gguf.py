@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from tests.models.test_arch import FAMILIES, tiny
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -30,6 +31,7 @@ import llmeasyquant as lq
 from llmeasyquant.errors import CheckpointError, ConfigError, OutputExistsError
 from llmeasyquant.export.gguf import export_gguf, open_gguf_runtime
 from llmeasyquant.export.gguf_blocks import unpack_blocks
+from llmeasyquant.models.arch import ARCHITECTURES
 from llmeasyquant.plan import Plan, Rule
 
 HEADS, KV_HEADS = 4, 2
@@ -390,3 +392,11 @@ def test_other_grids_are_requantized_to_iq4_nl_and_noted(make_model, scheme: str
         absmax = np.abs(weight).max(axis=1, keepdims=True)
         assert np.all(np.abs(back - weight) <= absmax * (12 / 128 + 0.2))
         assert np.abs(back - weight).mean() < 0.1 * np.abs(weight).mean()
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if ARCHITECTURES[f].gguf is None and f not in ("gpt2", "opt")])
+def test_the_families_gguf_does_not_cover_are_refused(family: str, tmp_path: Path) -> None:
+    """Gemma (llama.cpp stores its norms as 1 + w), Phi-3, OLMo, GPT-NeoX and Falcon have no GGUF names here."""
+    with pytest.raises(ConfigError, match=f"does not support the model family '{family}'"):
+        export_gguf(_quantize(tiny(family), "w8a16"), None, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.models.test_arch import FAMILIES, tiny
 
 import llmeasyquant as lq
 from cli_helpers import assert_one_line_error, run
@@ -76,3 +77,18 @@ def test_cli_stream(capsys, llama_folder: Path, tmp_path: Path) -> None:
     code, _, err = run(capsys, "quantize", llama_folder, "--method", "gptq", "--stream", "--calib", "self",
                        "--out", tmp_path / "self")
     assert_one_line_error(code, err, "--stream", "--calib PATH")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_streams_to_the_codes_of_the_in_memory_run(family, tmp_path, tiny_tokenizer):
+    """Block streaming reads each family's files (GPT-NeoX's head is stored as `embed_out`: the table's
+    `stored_names`) and gives the codes quantizing in memory gives."""
+    folder = tmp_path / family
+    tiny(family).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    calib = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    expected = lq.quantize(tiny(family), lq.GPTQ(), lq.W8A16, calib=calib, progress=False)
+    model, _, streamer = load_model_streamed(folder)
+    lq.quantize(model, lq.GPTQ(), lq.W8A16, calib=calib, progress=False, stream=streamer)
+    found = model.state_dict()
+    assert all(torch.equal(found[k], v) for k, v in expected.state_dict().items())

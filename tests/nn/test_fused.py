@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from tests.models.test_arch import tiny
 
 import llmeasyquant as lq
 from llmeasyquant.nn.fused import fuse_shared_inputs
@@ -68,3 +69,13 @@ def test_weights_loaded_into_a_fused_model_reach_its_fused_gemm(make_model, rand
         first(random_ids)  # the fused GEMMs prepare their kernels from the first weights
         first.load_state_dict(other.state_dict())
         assert torch.equal(first(random_ids).logits, other(random_ids).logits)
+
+
+def test_falcon_runs_attention_and_mlp_inputs_as_one_gemm():
+    """Falcon-7B's one LayerNorm feeds query_key_value and dense_h_to_4h in parallel: one group per block."""
+    model = lq.quantize(tiny("falcon"), lq.RTN(), lq.W8A16, progress=False)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        separate = model(ids).logits
+        assert lq.fuse_shared_inputs(model) == 2
+        torch.testing.assert_close(model(ids).logits, separate, atol=1e-5, rtol=1e-5)

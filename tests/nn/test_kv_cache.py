@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.models.test_arch import tiny
 from transformers.cache_utils import DynamicCache
 
 import llmeasyquant as lq
@@ -476,3 +477,21 @@ def test_online_cache_needs_no_calibration(tiny_llama, random_ids) -> None:
     assert spec.key_ranges is None
     out = model(random_ids[:1], past_key_values=spec.new_cache(model), use_cache=True).logits
     assert (out - model(random_ids[:1]).logits).abs().max() < 0.05
+
+
+@pytest.mark.parametrize(("family", "message"), [("gpt_neox", "turns 4 of the 16 channels of each head"),
+                                                 ("gemma3_text", "no one rotary table for every layer")])
+def test_keys_before_rope_need_one_whole_head_rotary_table(family: str, message: str) -> None:
+    """GPT-NeoX rotates a quarter of each head, Gemma 3 rotates local and global layers differently: a cache
+    that quantizes keys before RoPE is refused for them, and keys after RoPE still work."""
+    model = tiny(family)
+    with pytest.raises(ConfigError, match=message):
+        QuantizedKVCache.for_model(model, KVQuantConfig())
+    with pytest.raises(ConfigError, match=message):
+        lq.SimQuant(KVQuantConfig()).calibrate(model, torch.randint(0, 256, (2, 24)), progress=False)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits
+        cache = QuantizedKVCache.for_model(model, KVQuantConfig(key_bits=8, value_bits=8, pre_rope=False))
+        found = model(ids, past_key_values=cache).logits
+    assert (found - reference).abs().max() < 0.05 * reference.abs().max()

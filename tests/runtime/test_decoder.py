@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.models.test_arch import tiny
 from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -26,6 +31,9 @@ FAMILIES = {  # one tiny model per llama-like family, each with what sets it apa
     "mistral": lambda: MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None)),
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZES)),  # biases on q, k, v
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=16)),  # RMSNorm on each query and key head
+    # RMSNorms scaling by 1 + w, the embedding scaled by sqrt(hidden), GELU (the PyTorch-operator path)
+    "gemma": lambda: GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=16)),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**SIZES, pad_token_id=0)),  # fused qkv_proj and gate_up_proj
 }
 
 
@@ -74,11 +82,11 @@ def test_float_logits_match_transformers(family):
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "w4a16-g32-asym"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "phi3"])
 def test_quantized_logits_match_transformers(family, scheme, fuse):
     model = lq.quantize(family_model(family), lq.RTN(), lq.parse_scheme(scheme), progress=False)
-    if fuse:
-        assert lq.fuse_shared_inputs(model) == 4  # q/k/v and gate/up in each of the two blocks
+    if fuse:  # q/k/v and gate/up in each of the two blocks (Phi-3's come fused)
+        assert lq.fuse_shared_inputs(model) == (0 if family == "phi3" else 4)
     steps = [9, 100, 42]
     for ours, theirs in zip(lean_logits(model, prompt(), steps), transformers_logits(model, prompt(), steps),
                             strict=True):
@@ -129,6 +137,31 @@ def test_unsupported_family_and_window(tiny_gpt2):
         LeanDecoder(windowed, 16)
     with pytest.raises(ValueError, match="max_tokens"):
         LeanDecoder(family_model("llama"), 0)
+
+
+@pytest.mark.parametrize(("family", "missing"), [
+    ("gemma2", "logit soft-capping"), ("gemma3_text", "norms on the attention's and the MLP's outputs"),
+    ("olmo", "LayerNorm without parameters"), ("gpt_neox", "per-head q/k/v layout"),
+    ("falcon", "parallel attention/MLP block")])
+def test_families_it_does_not_cover_are_refused_saying_what_is_missing(family, missing):
+    with pytest.raises(ConfigError, match=f"does not cover the {family} family .*{missing}"):
+        LeanDecoder(tiny(family), 16)
+
+
+def test_a_partial_rotary_embedding_is_refused():
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(**SIZES, pad_token_id=0, partial_rotary_factor=0.5)).eval()
+    with pytest.raises(ConfigError, match="rotates 8 of its 16 channels per head"):
+        LeanDecoder(model, 16)
+
+
+def test_greedy_tokens_of_gemma_and_phi3_equal_transformers_generate():
+    for family in ("gemma", "phi3"):
+        model = family_model(family)
+        ids = prompt(16, seed=3)
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                  pad_token_id=255)[0, 16:]
+        assert torch.equal(LeanDecoder(model, 28).generate(ids, 12), expected), family
 
 
 def test_a_batch_of_prompts_is_refused_not_joined():

@@ -28,7 +28,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: seeded random tokens)")
     b.add_argument("--no-breakdown", action="store_true", help="skip the profiled latency breakdown")
     b.add_argument("--runtime", choices=RUNTIMES, default="auto", help="decode loop for the measured model: 'lean' "
-                   "(static KV cache, short operator path, fused C++ operators; llama-like families), 'lean-pytorch' "
+                   "(static KV cache, short operator path, fused C++ operators; families with a decoder map), "
+                   "'lean-pytorch' "
                    "(the same loop on PyTorch operators only), 'transformers' (its own forward) or "
                    "'auto' (lean where the family has it, else transformers; the default). The float baseline runs "
                    "on transformers and, when the measured model runs lean, on the lean loop too, so the gain of "

@@ -91,7 +91,7 @@ def _float_copy(model: nn.Module, layers: dict[str, QuantLinear]) -> nn.Module:
         if type(target) is not nn.Linear:
             raise ConfigError(f"layer {name} is a {type(target).__name__}, not nn.Linear; compressed-tensors "
                               f"quantizes nn.Linear layers only ({arch_for(model).family} models cannot be "
-                              "exported to it): export to gguf or onnx instead")
+                              "exported to it): export to onnx instead, or to gguf where the family has a `gguf` entry")
         target.weight.data.copy_(layer.dequantize())
         if layer.bias is not None:
             target.bias.data.copy_(layer.bias)

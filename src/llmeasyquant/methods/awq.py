@@ -19,7 +19,7 @@ from torch import nn
 
 from llmeasyquant.infra import distributed
 from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats
-from llmeasyquant.methods.smoothquant import fold_scales, foldable
+from llmeasyquant.methods.smoothquant import fold_scales, foldable, smoothable_pairs
 from llmeasyquant.models.arch import linear_weight
 from llmeasyquant.primitives import expand_groups, fake_quantize, group_ranges
 from llmeasyquant.scheme import PerTensor, QuantScheme
@@ -42,7 +42,7 @@ class AWQ(Transform):
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         stats = block_input_stats(block, ctx, self.input_stats)
         ctx.input_stats = None  # clipping changes what later linears of the block read: not followed exactly
-        groups = [(src, list(targets)) for src, targets in ctx.arch.smoothing
+        groups = [(src, list(targets)) for src, targets in smoothable_pairs(ctx)
                   if all(t in ctx.plan for t in targets) and foldable(block, src, list(targets))]
         # Under torch.distributed each search runs on one rank (balanced by cost) and its result is broadcast; in
         # one process rank 0 owns them all. A group's search reads only its targets' weights and inputs, which
@@ -55,7 +55,8 @@ class AWQ(Transform):
         for i, ((src, targets), owner) in enumerate(zip(groups, owners, strict=True)):
             scales = found.get(i, torch.empty(stats.hessian[targets[0]].shape[0]))
             distributed.broadcast_(scales, owner)
-            fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
+            fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales,
+                        ctx.arch.norm_offset)
             stats = stats.divided(targets, scales)  # the targets now read x / s
         if self.clip:
             names = list(ctx.plan)

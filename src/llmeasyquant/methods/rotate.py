@@ -73,13 +73,14 @@ def rotation_matrix(size: int, seed: int = 0) -> torch.Tensor:
     return hadamard_matrix(*rotation_factors(size, seed))
 
 
-def _fold_norm_into(norm: nn.Module, linears: list[nn.Module]) -> None:
-    """W <- W diag(w) for each linear the RMSNorm feeds, then w <- 1."""
-    weight = norm.weight.detach().double()
+def _fold_norm_into(norm: nn.Module, linears: list[nn.Module], offset: float = 0.0) -> None:
+    """W <- W diag(offset + w) for each linear the RMSNorm feeds (`offset`: the family's `norm_offset`, 1 for
+    Gemma's 1 + w), then the norm's scale becomes 1 (w <- 1 - offset)."""
+    weight = norm.weight.detach().double() + offset
     for linear in linears:
         w = linear_weight(linear)
         w.data.copy_((w.detach().double() * weight[None, :]).to(w.dtype))
-    norm.weight.data.fill_(1.0)
+    norm.weight.data.fill_(1.0 - offset)
 
 
 def _rotate_input(linear: nn.Module, q: torch.Tensor) -> None:
@@ -107,8 +108,10 @@ class Rotate(ModelTransform):
     def apply_model(self, model: nn.Module, arch: ArchSpec) -> None:
         spec = arch.rotation
         if spec is None:
-            raise ConfigError(f"the {arch.family} family cannot be rotated: its norms subtract the mean (LayerNorm), "
-                              "which does not commute with a rotation; use a recipe without 'rotate'")
+            raise ConfigError(f"the {arch.family} family cannot be rotated (no `rotation` in its models/arch.py "
+                              "entry): a LayerNorm subtracts the mean, and a norm on a block's outputs (Gemma 2/3) "
+                              "sits between the linears and the stream, neither of which commutes with a rotation; "
+                              "use a recipe without 'rotate'")
         hidden = int(model.config.get_text_config().hidden_size)
         q = rotation_matrix(hidden, self.seed)
         with torch.no_grad():
@@ -121,13 +124,13 @@ class Rotate(ModelTransform):
             for block in get_module(model, arch.blocks):
                 for norm_path, readers in spec.readers:
                     linears = [get_module(block, path) for path in readers]
-                    _fold_norm_into(get_module(block, norm_path), linears)
+                    _fold_norm_into(get_module(block, norm_path), linears, arch.norm_offset)
                     for linear in linears:
                         _rotate_input(linear, q)
                 for path in spec.writers:
                     _rotate_output(get_module(block, path), q)
             head = get_module(model, arch.lm_head)
-            _fold_norm_into(get_module(model, arch.final_norm), [head])
+            _fold_norm_into(get_module(model, arch.final_norm), [head], arch.norm_offset)
             _rotate_input(head, q)
             if self.online_down:
                 self._transform_online(model, arch)

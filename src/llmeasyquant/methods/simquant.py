@@ -22,10 +22,10 @@ from transformers.cache_utils import DynamicCache
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import CacheMethod
-from llmeasyquant.models.arch import ArchSpec, arch_for, get_module
+from llmeasyquant.models.arch import ArchSpec, arch_for, get_module, head_dim_of, query_columns
 from llmeasyquant.nn.kv.cache import KVCacheSpec
 from llmeasyquant.nn.kv.calibration import KeyRanges
-from llmeasyquant.nn.kv.coding import rope_table, undo_rope
+from llmeasyquant.nn.kv.coding import check_rope_width, rope_table, undo_rope
 from llmeasyquant.nn.kv.config import KVQuantConfig
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class SimQuant(CacheMethod):
                               "attention-sink tokens; use longer samples (--calib-seqlen)")
         arch = arch_for(model)
         rotary = get_module(model, arch.rotary_embedding) if arch.rotary_embedding and self.config.pre_rope else None
+        if rotary is not None:
+            check_rope_width(rotary, head_dim_of(model.config.get_text_config()))
         device = next(model.parameters()).device
         per_layer: list[list[torch.Tensor]] = []
         ids = calib[: self.samples]
@@ -103,15 +105,15 @@ class SimQuant(CacheMethod):
         power: dict[int, torch.Tensor] = {}
         if self.config.key_channels == 0:
             return power, []
-        # A fused projection (`qkv` in the family's table) puts the queries first.
+        # A fused projection (`qkv` in the family's table) holds the queries where its `qkv_layout` says.
         config = model.config.get_text_config()
         heads = config.num_attention_heads
-        width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+        columns = query_columns(arch.attention, heads, head_dim_of(config))
         path = arch.attention.q or arch.attention.qkv
 
         def watch(index: int):
             def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-                square = output.detach().float()[0, self.config.sinks:, :width].pow(2).mean(dim=0)
+                square = output.detach().float()[0, self.config.sinks:][:, columns].pow(2).mean(dim=0)
                 power[index] = power.get(index, 0) + square.cpu()
             return hook
 

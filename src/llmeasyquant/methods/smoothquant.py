@@ -55,14 +55,14 @@ class SmoothQuant(Transform):
 
     @torch.no_grad()
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
-        pairs = [(src, targets) for src, targets in ctx.arch.smoothing if any(t in ctx.plan for t in targets)]
+        pairs = [(src, targets) for src, targets in smoothable_pairs(ctx) if any(t in ctx.plan for t in targets)]
         pairs = [(src, targets) for src, targets in pairs if foldable(block, src, targets)]
         if not pairs:
             return
         stats = block_input_stats(block, ctx, self.input_stats)
         alpha = self.alpha if self.alpha != "auto" else self._search_alpha(block, ctx, pairs, stats)
         # The statistics follow the smoothing exactly, so the quantizer after us needs no pass of its own.
-        ctx.input_stats = smooth(block, pairs, stats, alpha)
+        ctx.input_stats = smooth(block, pairs, stats, alpha, ctx.arch.norm_offset)
 
     def _search_alpha(self, block: nn.Module, ctx: BlockContext, pairs: Pairs, stats: InputStats) -> float:
         """Try each alpha on a copy of the block, rounded to nearest with the block's schemes."""
@@ -72,7 +72,7 @@ class SmoothQuant(Transform):
         errors = {}
         for alpha in self.alpha_grid:
             trial = copy.deepcopy(block)
-            trial_stats = smooth(trial, pairs, stats, alpha)
+            trial_stats = smooth(trial, pairs, stats, alpha, ctx.arch.norm_offset)
             RTN().apply(trial, ctx)
             calibrate_static_inputs(trial, trial_stats, inputs, kwargs)
             errors[alpha] = relative_error(run_block(trial, inputs, kwargs), reference)
@@ -82,12 +82,23 @@ class SmoothQuant(Transform):
         return best
 
 
-def smooth(block: nn.Module, pairs: Pairs, stats: InputStats, alpha: float) -> InputStats:
-    """Fold the smoothing scales of every pair into `block`; the input statistics after it."""
+def smoothable_pairs(ctx: BlockContext) -> Pairs:
+    """The family's smoothing pairs less those whose source cannot take a scale (the table says why; logged once,
+    on the first block)."""
+    skipped = dict(ctx.arch.unsmoothable)
+    for src, reason in skipped.items():
+        log.log(logging.INFO if ctx.index == 0 else logging.DEBUG,
+                "%s: no smoothing scales folded into %s (%s)", ctx.arch.family, src, reason)
+    return [(src, targets) for src, targets in ctx.arch.smoothing if src not in skipped]
+
+
+def smooth(block: nn.Module, pairs: Pairs, stats: InputStats, alpha: float, norm_offset: float = 0.0) -> InputStats:
+    """Fold the smoothing scales of every pair into `block`; the input statistics after it. `norm_offset`: the
+    family's norms scale by (norm_offset + weight) (models/arch.py)."""
     for src, targets in pairs:
         scales = smoothing_scales(stats.absmax[targets[0]], [linear_weight(block.get_submodule(t)) for t in targets],
                                   alpha)
-        fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
+        fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales, norm_offset)
         stats = stats.divided(list(targets), scales)
     return stats
 
@@ -114,13 +125,18 @@ def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alph
     return torch.where(bad, torch.ones_like(scales), scales).clamp(min=1e-5)
 
 
-def fold_scales(source: nn.Module, targets: list[nn.Module], scales: torch.Tensor) -> None:
-    """targets' input columns *= s; source's output /= s (norm scale and bias, or a linear's output rows)."""
+def fold_scales(source: nn.Module, targets: list[nn.Module], scales: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """targets' input columns *= s; source's output /= s (norm scale and bias, or a linear's output rows). A norm
+    that scales by (norm_offset + w) gets w <- (norm_offset + w) / s - norm_offset (Gemma's 1 + w)."""
     for target in targets:
         weight = linear_weight(target)  # [out, in], a view for GPT-2's Conv1D: updated in place
         weight.mul_(scales.to(weight.dtype)[None, :])
     if is_linear(source):
         linear_weight(source).div_(scales.to(source.weight.dtype)[:, None])
+    elif norm_offset:
+        # In float64: with the offset, w is a small difference of large numbers.
+        effective = (source.weight.double() + norm_offset) / scales.double()
+        source.weight.copy_((effective - norm_offset).to(source.weight.dtype))
     else:
         source.weight.div_(scales.to(source.weight.dtype))
     if getattr(source, "bias", None) is not None:

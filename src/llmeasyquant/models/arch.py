@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.pytorch_utils import Conv1D
 
 from llmeasyquant.errors import ConfigError
@@ -19,14 +20,17 @@ from llmeasyquant.errors import ConfigError
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Where queries, keys, values and the output projection live in a block (`qkv` when fused, its output
-    holding the queries first)."""
+    """Where queries, keys, values and the output projection live in a block (`qkv` when fused). `qkv_layout` says
+    how a fused projection's output columns are ordered: "concat" is all query heads, then the key heads, then the
+    value heads (GPT-2, Phi-3, Falcon's multi-query); "per_head" is, head by head, that head's query, key and value
+    side by side (GPT-NeoX's query_key_value, one key/value head per query head)."""
 
     q: str | None
     k: str | None
     v: str | None
     o: str
     qkv: str | None = None
+    qkv_layout: str = "concat"
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class DecoderSpec:
     down: str = "mlp.down_proj"
     activation: str = "mlp.act_fn"
     qk_norm: tuple[str, str] | None = None
+    # A fused gate-then-up projection (Phi-3's gate_up_proj), read instead of `gate` and `up` when set; a fused
+    # q/k/v comes from the family's AttentionSpec (`qkv`, "concat" layout only).
+    gate_up: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,19 @@ class ArchSpec:
     gguf: GGUFSpec | None = None
     # Where a rotation of the residual stream is folded in; None where the family cannot be rotated.
     rotation: RotationSpec | None = None
+    # The family's norms scale by (norm_offset + weight): Gemma's RMSNorm stores w and multiplies by (1 + w).
+    # Folds (SmoothQuant, AWQ, the rotation) act on that effective scale and store it back less the offset.
+    norm_offset: float = 0.0
+    # Smoothing sources that cannot take a scale, with the reason: SmoothQuant and AWQ skip their pairs and log it
+    # (the pair stays in `smoothing`, which also says which linears read one input).
+    unsmoothable: tuple[tuple[str, str], ...] = ()
+    # Why the lean decoder (runtime/) does not cover the family, when `decoder` is None: its refusal says so.
+    decoder_missing: str | None = None
+    # (config attribute, value) pairs the entry's paths assume; arch_for refuses a model with another value.
+    requires: tuple[tuple[str, object], ...] = ()
+    # (module path, its name in the family's safetensors files) where they differ: transformers renames some on
+    # load (GPT-NeoX's head is `embed_out` on disk, `lm_head` in the model); block streaming reads the files.
+    stored_names: tuple[tuple[str, str], ...] = ()
 
 
 _LLAMA_LIKE = dict(
@@ -120,6 +140,15 @@ _LLAMA_GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q
                      "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                      "mlp.down_proj": "ffn_down"}
 
+# Gemma 2/3: the MLP reads pre_feedforward_layernorm (post_attention_layernorm normalises the attention's output).
+_GEMMA2_SMOOTHING = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.v_proj", ("self_attn.o_proj",)),
+    ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+)
+_OLMO_NORM = "OLMo's LayerNorm has no weight or bias to divide a scale into"
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     # llama.cpp's llama graph rotates interleaved pairs: q/k rows permuted per head.
     "llama": ArchSpec(family="llama", **_LLAMA_LIKE, decoder=DecoderSpec(),
@@ -142,6 +171,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         attention=AttentionSpec(q=None, k=None, v=None, o="attn.c_proj", qkv="attn.c_attn"),
         smoothing=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
         rotary_embedding=None,
+        decoder_missing="learned positions instead of a rotary embedding, LayerNorms and a GELU MLP without a gate",
     ),
     "opt": ArchSpec(
         family="opt",
@@ -156,6 +186,80 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             ("final_layer_norm", ("fc1",)),
         ),
         rotary_embedding=None,
+        decoder_missing="learned positions instead of a rotary embedding, LayerNorms and a ReLU MLP without a gate",
+    ),
+    # Gemma: llama's layout, an embedding scaled by sqrt(hidden) inside its module, and RMSNorms that multiply by
+    # (1 + w). GGUF not covered (llama.cpp's gemma stores 1 + w and scales in its graph).
+    "gemma": ArchSpec(family="gemma", **_LLAMA_LIKE, decoder=DecoderSpec(), norm_offset=1.0),
+    # Gemma 2 and 3: "sandwich" norms, a norm on the attention's and the MLP's outputs before the residual add
+    # (post_attention_layernorm is one of them; pre_feedforward_layernorm feeds the MLP). A rotation would have to
+    # pass through those output norms, so there is none.
+    "gemma2": ArchSpec(
+        family="gemma2", **(_LLAMA_LIKE | dict(smoothing=_GEMMA2_SMOOTHING, rotation=None)), norm_offset=1.0,
+        decoder_missing="logit soft-capping (attention scores and final logits), the norms on the attention's and "
+                        "the MLP's outputs, and sliding-window layers"),
+    "gemma3_text": ArchSpec(
+        family="gemma3_text", **(_LLAMA_LIKE | dict(smoothing=_GEMMA2_SMOOTHING, rotation=None)), norm_offset=1.0,
+        decoder_missing="the norms on the attention's and the MLP's outputs, and local layers with their own "
+                        "rotary base and sliding window"),
+    # Phi-3: q/k/v fused in qkv_proj (queries, keys, values side by side), gate and up in gate_up_proj (gate
+    # first). No v->o or up->down smoothing: the source would be a slice of a fused projection's rows.
+    "phi3": ArchSpec(
+        family="phi3",
+        blocks="model.layers",
+        embeddings=("model.embed_tokens",),
+        final_norm="model.norm",
+        lm_head="lm_head",
+        attention=AttentionSpec(q=None, k=None, v=None, o="self_attn.o_proj", qkv="self_attn.qkv_proj"),
+        smoothing=(("input_layernorm", ("self_attn.qkv_proj",)),
+                   ("post_attention_layernorm", ("mlp.gate_up_proj",))),
+        rotary_embedding="model.rotary_emb",
+        decoder=DecoderSpec(gate_up="mlp.gate_up_proj", activation="mlp.activation_fn"),
+        rotation=RotationSpec(
+            readers=(("input_layernorm", ("self_attn.qkv_proj",)), ("post_attention_layernorm", ("mlp.gate_up_proj",))),
+            writers=("self_attn.o_proj", "mlp.down_proj"),
+            online=("mlp.down_proj",),
+        ),
+    ),
+    # OLMo (1): llama's layout with a LayerNorm that has neither weight nor bias, and optional clipping of q/k/v.
+    "olmo": ArchSpec(
+        family="olmo", **(_LLAMA_LIKE | dict(rotation=None)),
+        unsmoothable=(("input_layernorm", _OLMO_NORM), ("post_attention_layernorm", _OLMO_NORM)),
+        decoder_missing="a LayerNorm without parameters (the loop runs RMSNorms) and clipping of q/k/v (clip_qkv)",
+    ),
+    # GPT-NeoX (Pythia): q/k/v fused per head in query_key_value, biases, LayerNorms, partial rotary embedding; with
+    # use_parallel_residual attention and MLP read the same stream through their own norms (either way each norm
+    # feeds one linear, so the smoothing pairs hold for both).
+    "gpt_neox": ArchSpec(
+        family="gpt_neox",
+        blocks="gpt_neox.layers",
+        embeddings=("gpt_neox.embed_in",),
+        final_norm="gpt_neox.final_layer_norm",
+        lm_head="lm_head",
+        attention=AttentionSpec(q=None, k=None, v=None, o="attention.dense", qkv="attention.query_key_value",
+                                qkv_layout="per_head"),
+        smoothing=(("input_layernorm", ("attention.query_key_value",)),
+                   ("post_attention_layernorm", ("mlp.dense_h_to_4h",))),
+        rotary_embedding="gpt_neox.rotary_emb",
+        decoder_missing="LayerNorms with biases, a GELU MLP without a gate, the per-head q/k/v layout and the "
+                        "parallel residual",
+        stored_names=(("lm_head", "embed_out"),),
+    ),
+    # Falcon (7B layout): multi-query attention fused in query_key_value (all query heads, then one key and one
+    # value head), attention and MLP in parallel on one LayerNorm's output, so that norm feeds both.
+    "falcon": ArchSpec(
+        family="falcon",
+        blocks="transformer.h",
+        embeddings=("transformer.word_embeddings",),
+        final_norm="transformer.ln_f",
+        lm_head="lm_head",
+        attention=AttentionSpec(q=None, k=None, v=None, o="self_attention.dense",
+                                qkv="self_attention.query_key_value"),
+        smoothing=(("input_layernorm", ("self_attention.query_key_value", "mlp.dense_h_to_4h")),),
+        rotary_embedding="transformer.rotary_emb",
+        decoder_missing="LayerNorms with biases, a GELU MLP without a gate and the parallel attention/MLP block",
+        requires=(("new_decoder_architecture", False), ("parallel_attn", True), ("multi_query", True),
+                  ("alibi", False)),
     ),
 }
 
@@ -163,6 +267,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 # the one place that knows.
 LINEAR_WEIGHT: dict[type, Callable[[nn.Module], torch.Tensor]] = {
     nn.Linear: lambda m: m.weight,
+    FalconLinear: lambda m: m.weight,  # nn.Linear's layout, its own forward
     Conv1D: lambda m: m.weight.t(),
 }
 
@@ -174,7 +279,40 @@ def arch_for(model: nn.Module) -> ArchSpec:
             f"model family {model_type!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}. "
             "Add an entry to llmeasyquant/models/arch.py:ARCHITECTURES"
         )
-    return ARCHITECTURES[model_type]
+    spec = ARCHITECTURES[model_type]
+    for name, value in spec.requires:
+        found = getattr(model.config, name, None)
+        if found != value:
+            raise ConfigError(
+                f"this {model_type} model sets {name}={found!r}; the {model_type} entry of "
+                f"llmeasyquant/models/arch.py:ARCHITECTURES covers {name}={value!r} only "
+                f"({', '.join(f'{n}={v!r}' for n, v in spec.requires)}). Add a family entry for this layout"
+            )
+    return spec
+
+
+def head_dim_of(config: object) -> int:
+    """Channels per attention head: the config's `head_dim` where it sets one (Gemma, Qwen3), else hidden / heads."""
+    heads = config.num_attention_heads
+    return int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
+def query_columns(attention: AttentionSpec, heads: int, head_dim: int) -> torch.Tensor | slice:
+    """Which output columns of the attention's query projection (`q`, or the fused `qkv` in its `qkv_layout`) hold
+    the queries, in head order."""
+    if attention.q is not None or attention.qkv_layout == "concat":
+        return slice(0, heads * head_dim)
+    if attention.qkv_layout == "per_head":  # head h: columns [3h, 3h + 1) * head_dim are its query
+        return (torch.arange(heads)[:, None] * 3 * head_dim + torch.arange(head_dim)[None, :]).flatten()
+    raise ConfigError(f"unknown qkv_layout {attention.qkv_layout!r} in models/arch.py; use 'concat' or 'per_head'")
+
+
+def stored_name(arch: ArchSpec, name: str) -> str:
+    """The name a safetensors file of the family stores the model's tensor `name` under (`stored_names`)."""
+    for path, stored in arch.stored_names:
+        if name == path or name.startswith(path + "."):
+            return stored + name[len(path):]
+    return name
 
 
 def is_linear(module: nn.Module) -> bool:

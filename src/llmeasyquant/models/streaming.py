@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmeasyquant.errors import ModelLoadError
-from llmeasyquant.models.arch import arch_for, blocks_of, is_linear
+from llmeasyquant.models.arch import arch_for, blocks_of, is_linear, stored_name
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +40,26 @@ class BlockStreamer:
     def __init__(self, model: PreTrainedModel, folder: Path, dtype: torch.dtype) -> None:
         self.model, self.folder, self.dtype = model, folder, dtype
         self.files = _tensor_files(folder)
-        self.prefix = arch_for(model).blocks + "."
+        self.arch = arch_for(model)
+        self.prefix = self.arch.blocks + "."
         self.max_float_blocks = 0  # the most blocks whose float linear weights were in memory at once
 
     def _read(self, names: list[str]) -> None:
         by_file: dict[Path, list[str]] = {}
         for name in names:
-            if name not in self.files:
+            if stored_name(self.arch, name) not in self.files:
                 raise ModelLoadError(f"{self.folder} lacks the tensor {name}; the folder does not match its config")
-            by_file.setdefault(self.files[name], []).append(name)
+            by_file.setdefault(self.files[stored_name(self.arch, name)], []).append(name)
         for file, wanted in by_file.items():
             with safe_open(str(file), "pt") as handle:
                 for name in wanted:
-                    set_module_tensor_to_device(self.model, name, "cpu", value=handle.get_tensor(name).to(self.dtype))
+                    tensor = handle.get_tensor(stored_name(self.arch, name)).to(self.dtype)
+                    set_module_tensor_to_device(self.model, name, "cpu", value=tensor)
 
     def load_outside_blocks(self) -> None:
         """Embeddings, final norm and LM head (tied to the embeddings when the config says so)."""
         names = [n for n, _ in self.model.named_parameters() if not n.startswith(self.prefix)]
-        self._read([n for n in names if n in self.files])
+        self._read([n for n in names if stored_name(self.arch, n) in self.files])
         self.model.tie_weights()
         missing = [n for n, p in self.model.named_parameters() if p.is_meta and not n.startswith(self.prefix)]
         if missing:

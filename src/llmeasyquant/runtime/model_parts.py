@@ -30,11 +30,14 @@ class Norm:
     eps: float
 
     @classmethod
-    def of(cls, module: nn.Module) -> Norm:
+    def of(cls, module: nn.Module, offset: float = 0.0) -> Norm:
+        """The RMSNorm `module`; `offset` is the family's `norm_offset` (Gemma scales by 1 + w: the sum is taken
+        once here, so the loop's operators see a plain RMSNorm weight)."""
         eps = next((getattr(module, name) for name in ("variance_epsilon", "eps") if hasattr(module, name)), None)
         if eps is None:
             raise ConfigError(f"{type(module).__name__} has no epsilon the lean decoder can read")
-        return cls(module.weight, float(eps))
+        weight = module.weight if not offset else (module.weight.detach() + offset).contiguous()
+        return cls(weight, float(eps))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -79,8 +82,13 @@ class DecoderParts:
         arch = arch_for(model)
         spec = arch.decoder
         if spec is None:
+            missing = f": it has {arch.decoder_missing}" if arch.decoder_missing else ""
             raise ConfigError(f"the lean decode loop does not cover the {arch.family} family (no `decoder` entry in "
-                              "models/arch.py); run it on transformers' forward instead (--runtime transformers)")
+                              f"models/arch.py{missing}); run it on transformers' forward instead "
+                              "(--runtime transformers)")
+        if arch.attention.q is None and arch.attention.qkv_layout != "concat":
+            raise ConfigError(f"the lean decode loop reads a fused q/k/v as queries, keys, values side by side; the "
+                              f"{arch.family} entry's layout is {arch.attention.qkv_layout!r}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         config = model.config
@@ -96,12 +104,16 @@ class DecoderParts:
                 raise ConfigError(f"this model attends over a sliding window of {window} tokens; the lean decoder "
                                   f"keeps full attention, so it runs at most {window} tokens (asked: {max_tokens})")
         self.embed = get_module(model, arch.embeddings[0])
-        self.final_norm = Norm.of(get_module(model, arch.final_norm))
+        self.final_norm = Norm.of(get_module(model, arch.final_norm), arch.norm_offset)
         self.lm_head = get_module(model, arch.lm_head).forward
-        self.blocks = [self._block(block, arch.attention, spec) for block in blocks]
+        self.blocks = [self._block(block, arch, spec) for block in blocks]
         self.dtype = self.embed.weight.dtype
         rotary = get_module(model, arch.rotary_embedding)
         cos, sin = rotary(torch.zeros(1, dtype=self.dtype), torch.arange(max_tokens)[None])  # [1, max, head_dim]
+        if cos.shape[-1] != self.head_dim:
+            raise ConfigError(f"this {arch.family} model rotates {cos.shape[-1]} of its {self.head_dim} channels per "
+                              "head (a partial rotary embedding); the lean decode loop rotates whole heads. Run it "
+                              "on transformers' forward instead (--runtime transformers)")
         self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()  # [max, dim]
         self.max_tokens = max_tokens
         # The fused operators work on fp32 rows and compute SiLU; anything else steps on PyTorch operators.
@@ -109,20 +121,25 @@ class DecoderParts:
         self.fused_ops = native.ops() if fused and covered else None
 
     @staticmethod
-    def _block(block: nn.Module, attention, spec) -> Block:
+    def _block(block: nn.Module, arch, spec) -> Block:
         def at(path: str) -> nn.Module:
             return get_module(block, path)
 
+        attention, offset = arch.attention, arch.norm_offset
         qk_norm = None
         if spec.qk_norm is not None:
-            qk_norm = (Norm.of(at(spec.qk_norm[0])), Norm.of(at(spec.qk_norm[1])))
+            qk_norm = (Norm.of(at(spec.qk_norm[0]), offset), Norm.of(at(spec.qk_norm[1]), offset))
+        # A fused projection (Phi-3's qkv_proj, gate_up_proj) already gives the members side by side.
+        qkv = (joined([at(attention.q), at(attention.k), at(attention.v)]) if attention.q is not None
+               else callable_of(at(attention.qkv)))
+        gate_up = joined([at(spec.gate), at(spec.up)]) if spec.gate_up is None else callable_of(at(spec.gate_up))
         return Block(
-            attn_norm=Norm.of(at(spec.attn_norm)),
-            qkv=joined([at(attention.q), at(attention.k), at(attention.v)]),
+            attn_norm=Norm.of(at(spec.attn_norm), offset),
+            qkv=qkv,
             qk_norm=qk_norm,
             o=callable_of(at(attention.o)),
-            mlp_norm=Norm.of(at(spec.mlp_norm)),
-            gate_up=joined([at(spec.gate), at(spec.up)]),
+            mlp_norm=Norm.of(at(spec.mlp_norm), offset),
+            gate_up=gate_up,
             activation=at(spec.activation),
             down=callable_of(at(spec.down)),
         )

@@ -10,9 +10,9 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.models.arch import arch_for, get_module
+from llmeasyquant.models.arch import arch_for, get_module, head_dim_of
 from llmeasyquant.nn.kv.calibration import KeyRanges
-from llmeasyquant.nn.kv.coding import rope_table
+from llmeasyquant.nn.kv.coding import check_rope_width, rope_table
 from llmeasyquant.nn.kv.config import KVQuantConfig
 from llmeasyquant.nn.kv.layout import QuantizedKVLayer
 
@@ -50,6 +50,8 @@ class QuantizedKVCache(Cache):
                   key_ranges: KeyRanges | None = None) -> QuantizedKVCache:
         arch = arch_for(model)
         rotary = get_module(model, arch.rotary_embedding) if arch.rotary_embedding else None
+        if rotary is not None and (config or KVQuantConfig()).pre_rope:
+            check_rope_width(rotary, head_dim_of(model.config.get_text_config()))
         return cls(model.config.get_text_config().num_hidden_layers, config, key_ranges, rotary)
 
     def _rope(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmeasyquant.errors import ConfigError
 from llmeasyquant.models.arch import rotate_half
 from llmeasyquant.nn.kv.key_blocks import kept_index
 from llmeasyquant.primitives import MIN_SCALE, pack_bits, range_dequantize, range_quantize, unpack_bits
@@ -42,8 +43,21 @@ def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def rope_table(rotary: nn.Module, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [length, head_dim] in fp32 from a model's rotary-embedding module."""
     positions = torch.arange(length, device=device)[None]
-    cos, sin = rotary(torch.zeros((), dtype=torch.float32, device=device), positions)
+    try:
+        cos, sin = rotary(torch.zeros((), dtype=torch.float32, device=device), positions)
+    except TypeError as exc:  # Gemma 3's takes a layer type: local and global layers rotate differently
+        raise ConfigError(f"{type(rotary).__name__} gives no one rotary table for every layer ({exc}), which keys "
+                          "quantized before RoPE need; use KVQuantConfig(pre_rope=False)") from exc
     return cos[0].float(), sin[0].float()
+
+
+def check_rope_width(rotary: nn.Module, head_dim: int) -> None:
+    """Refuse a partial rotary embedding (GPT-NeoX rotates a quarter of each head): undoing RoPE on arrival
+    rotates whole heads."""
+    width = rope_table(rotary, 1, next(iter(rotary.buffers()), torch.empty(0)).device)[0].shape[-1]
+    if width != head_dim:
+        raise ConfigError(f"this model's rotary embedding turns {width} of the {head_dim} channels of each head; keys "
+                          "quantized before RoPE need whole heads rotated: use KVQuantConfig(pre_rope=False)")
 
 
 def range_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, margin: float = 1.0
