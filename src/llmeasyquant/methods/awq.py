@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.infra import distributed
-from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats
+from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats, short_of_tokens
 from llmeasyquant.methods.smoothquant import fold_scales, foldable
 from llmeasyquant.models.arch import linear_weight
 from llmeasyquant.primitives import expand_groups, fake_quantize, group_ranges
@@ -31,6 +31,9 @@ class AWQ(Transform):
     clip: bool = True
     clip_grid: int = 20
     min_clip: float = 0.5
+    # Layers that read fewer calibration tokens (experts the router sent few or none) keep their weights: no scale
+    # search for a group whose inputs they read, no clipping; the fallback is named in the log and the checkpoint.
+    min_tokens: int = 16
 
     name: ClassVar[str] = "awq"
     needs_calibration: ClassVar[bool] = True
@@ -43,7 +46,8 @@ class AWQ(Transform):
         stats = block_input_stats(block, ctx, self.input_stats)
         ctx.input_stats = None  # clipping changes what later linears of the block read: not followed exactly
         groups = [(src, list(targets)) for src, targets in ctx.arch.smoothing
-                  if all(t in ctx.plan for t in targets) and foldable(block, src, list(targets))]
+                  if all(t in ctx.plan for t in targets) and foldable(block, src, list(targets))
+                  and not short_of_tokens(ctx, stats, [targets[0]], self.min_tokens, self.name, "no scaling")]
         # Under torch.distributed each search runs on one rank (balanced by cost) and its result is broadcast; in
         # one process rank 0 owns them all. A group's search reads only its targets' weights and inputs, which
         # no other group's folding touches, so the searches can all run before any scale is folded.
@@ -58,7 +62,8 @@ class AWQ(Transform):
             fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales)
             stats = stats.divided(targets, scales)  # the targets now read x / s
         if self.clip:
-            names = list(ctx.plan)
+            names = [n for n in ctx.plan
+                     if not short_of_tokens(ctx, stats, [n], self.min_tokens, self.name, "no clipping")]
             owners = distributed.assign([_cost(block, [n]) for n in names], distributed.world())
             for name, owner in zip(names, owners, strict=True):
                 if owner == distributed.rank():

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats
+from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats, short_of_tokens
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.stats import InputStats, calibrate_static_inputs, relative_error, run_block
 from llmeasyquant.models.arch import is_linear, linear_weight
@@ -36,6 +36,9 @@ class SmoothQuant(Transform):
     alpha: float | str = 0.5
     alpha_grid: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
     search_samples: int = 16
+    # A pair whose linears read fewer calibration tokens (an expert the router sent few or none) is not smoothed;
+    # the fallback is named in the log and the checkpoint.
+    min_tokens: int = 16
 
     name: ClassVar[str] = "smoothquant"
     needs_calibration: ClassVar[bool] = True
@@ -60,6 +63,10 @@ class SmoothQuant(Transform):
         if not pairs:
             return
         stats = block_input_stats(block, ctx, self.input_stats)
+        pairs = [(src, targets) for src, targets in pairs
+                 if not short_of_tokens(ctx, stats, [targets[0]], self.min_tokens, self.name, "not smoothed")]
+        if not pairs:
+            return
         alpha = self.alpha if self.alpha != "auto" else self._search_alpha(block, ctx, pairs, stats)
         # The statistics follow the smoothing exactly, so the quantizer after us needs no pass of its own.
         ctx.input_stats = smooth(block, pairs, stats, alpha)
@@ -74,7 +81,7 @@ class SmoothQuant(Transform):
             trial = copy.deepcopy(block)
             trial_stats = smooth(trial, pairs, stats, alpha)
             RTN().apply(trial, ctx)
-            calibrate_static_inputs(trial, trial_stats, inputs, kwargs)
+            calibrate_static_inputs(trial, trial_stats, inputs, kwargs, ctx.arch.routed)
             errors[alpha] = relative_error(run_block(trial, inputs, kwargs), reference)
         best = min(errors, key=errors.__getitem__)
         log.debug("block %d: SmoothQuant output error by alpha %s -> %.2f", ctx.index, errors, best)

@@ -8,7 +8,8 @@ model (`blocks`, `lm_head`, ...) or to one block (attention projections, smoothi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 from torch import nn
@@ -73,6 +74,25 @@ class RotationSpec:
 
 
 @dataclass(frozen=True)
+class ExpertsSpec:
+    """A mixture-of-experts block as transformers 5 stores it: the experts of a block fused into one module at
+    `path` (relative to the block) holding `gate_up` [experts, 2·intermediate, hidden] (gate rows first, then up)
+    and `down` [experts, hidden, intermediate]. models/experts.py rewrites it as one gate/up/down triple of
+    nn.Linear per expert (`<path>.<e>.gate_proj` ...) so that the methods see each expert's linears and only the
+    tokens routed to it. `count` and `top_k` name the config attributes with the number of experts and how many
+    of them each token goes to. `smoothing` are per-expert smoothing pairs with `{e}` for the expert's index,
+    added to the family's own pairs once per expert."""
+
+    path: str
+    count: str
+    top_k: str = "num_experts_per_tok"
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    activation: str = "act_fn"
+    smoothing: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     family: str
     blocks: str  # the ModuleList of transformer blocks
@@ -91,6 +111,16 @@ class ArchSpec:
     gguf: GGUFSpec | None = None
     # Where a rotation of the residual stream is folded in; None where the family cannot be rotated.
     rotation: RotationSpec | None = None
+    # Mixture of experts: where a block's fused experts are; None for a dense family.
+    experts: ExpertsSpec | None = None
+    # Block linears that stay float whatever the plan says: a MoE router's or gate's rounding error changes which
+    # experts a token goes to (or how much of the shared expert it takes), for a few bytes saved.
+    float_layers: tuple[str, ...] = ()
+
+    @property
+    def routed(self) -> tuple[str, ...]:
+        """Block-relative prefixes of the linears that read only the tokens routed to them (and may read none)."""
+        return (self.experts.path + ".",) if self.experts is not None else ()
 
 
 _LLAMA_LIKE = dict(
@@ -159,6 +189,28 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
 }
 
+# Mixture of experts (transformers 5 fuses each block's experts into 3D parameters; models/experts.py splits them).
+# The post-attention norm feeds the router as well as every expert, so no scale is folded into it (the float
+# router would read the divided stream): the experts' gate/up inputs are not smoothed, their down inputs are.
+_MOE_ATTENTION_SMOOTHING = _LLAMA_LIKE["smoothing"][:2]
+_MOE_BASE = {k: v for k, v in _LLAMA_LIKE.items() if k not in ("smoothing", "rotation")}
+_EXPERT_SMOOTHING = (("mlp.experts.{e}.up_proj", ("mlp.experts.{e}.down_proj",)),)
+ARCHITECTURES.update({
+    # Mixtral's router is a MixtralTopKRouter (not a linear); it is named here all the same.
+    "mixtral": ArchSpec(family="mixtral", **_MOE_BASE, smoothing=_MOE_ATTENTION_SMOOTHING, float_layers=("mlp.gate",),
+                        experts=ExpertsSpec("mlp.experts", count="num_local_experts", smoothing=_EXPERT_SMOOTHING)),
+    # Qwen2-MoE adds a shared expert (a dense MLP every token reads) scaled by a sigmoid gate, an nn.Linear kept
+    # float. Layers the config makes dense (`mlp_only_layers`) are quantized as plain MLPs, without smoothing.
+    "qwen2_moe": ArchSpec(family="qwen2_moe", **_MOE_BASE,
+                          smoothing=(*_MOE_ATTENTION_SMOOTHING,
+                                     ("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",))),
+                          float_layers=("mlp.gate", "mlp.shared_expert_gate"),
+                          experts=ExpertsSpec("mlp.experts", count="num_experts", smoothing=_EXPERT_SMOOTHING)),
+    "qwen3_moe": ArchSpec(family="qwen3_moe", **_MOE_BASE, smoothing=_MOE_ATTENTION_SMOOTHING,
+                          float_layers=("mlp.gate",),
+                          experts=ExpertsSpec("mlp.experts", count="num_experts", smoothing=_EXPERT_SMOOTHING)),
+})
+
 # How to read a linear-like module's weight as [out, in]. GPT-2's Conv1D stores it transposed; this table is
 # the one place that knows.
 LINEAR_WEIGHT: dict[type, Callable[[nn.Module], torch.Tensor]] = {
@@ -174,7 +226,19 @@ def arch_for(model: nn.Module) -> ArchSpec:
             f"model family {model_type!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}. "
             "Add an entry to llmeasyquant/models/arch.py:ARCHITECTURES"
         )
-    return ARCHITECTURES[model_type]
+    spec = ARCHITECTURES[model_type]
+    if spec.experts is None:
+        return spec
+    return _with_experts(model_type, int(getattr(model.config, spec.experts.count)))
+
+
+@cache
+def _with_experts(model_type: str, experts: int) -> ArchSpec:
+    """The family's entry with its per-expert smoothing pairs written out for `experts` experts."""
+    spec = ARCHITECTURES[model_type]
+    pairs = tuple((src.format(e=e), tuple(t.format(e=e) for t in targets))
+                  for e in range(experts) for src, targets in spec.experts.smoothing)
+    return replace(spec, smoothing=spec.smoothing + pairs)
 
 
 def is_linear(module: nn.Module) -> bool:
