@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import llmeasyquant as lq
 from llmeasyquant.models.arch import ARCHITECTURES, arch_for, get_module, is_linear
+from llmeasyquant.models.experts import unfuse_experts
 
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
@@ -19,6 +20,11 @@ CONFIGS = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128),
     "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
                 word_embed_proj_dim=64, max_position_embeddings=128),
+    # Mixtures of experts: 4 experts, 2 per token (tests/models/test_experts.py tests them further).
+    "mixtral": LLAMA_LIKE | dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": LLAMA_LIKE | dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+                                   num_experts_per_tok=2),
+    "qwen3_moe": LLAMA_LIKE | dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=16),
 }
 
 
@@ -34,7 +40,7 @@ def test_every_family_has_a_tiny_config():
 
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 def test_table_paths_exist(model_type):
-    model = tiny(model_type)
+    model = unfuse_experts(tiny(model_type))  # a mixture of experts' per-expert paths exist once split
     arch = arch_for(model)
     blocks = get_module(model, arch.blocks)
     assert len(blocks) == 2
@@ -53,7 +59,13 @@ def test_table_paths_exist(model_type):
 def test_rtn_quantizes_every_block_linear_and_round_trips(model_type, tmp_path):
     model = tiny(model_type)
     arch = arch_for(model)
-    linears = [n for n, m in model.named_modules() if is_linear(m) and n.startswith(arch.blocks + ".")]
+    with torch.no_grad():
+        fused = model(torch.arange(24)[None]).logits
+    unfuse_experts(model)  # what quantize() does first: the linears to expect are the split experts'
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.arange(24)[None]).logits, fused)
+    linears = [n for n, m in model.named_modules() if is_linear(m) and n.startswith(arch.blocks + ".")
+               and n[len(arch.blocks) + 1:].partition(".")[2] not in arch.float_layers]
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits

@@ -107,8 +107,10 @@ class Rotate(ModelTransform):
     def apply_model(self, model: nn.Module, arch: ArchSpec) -> None:
         spec = arch.rotation
         if spec is None:
-            raise ConfigError(f"the {arch.family} family cannot be rotated: its norms subtract the mean (LayerNorm), "
-                              "which does not commute with a rotation; use a recipe without 'rotate'")
+            raise ConfigError(f"the {arch.family} family cannot be rotated (no `rotation` entry in models/arch.py): "
+                              "its norms subtract the mean (LayerNorm), which does not commute with a rotation, or its "
+                              "router (a mixture of experts) reads the stream, which the rotation does not follow "
+                              "yet; use a recipe without 'rotate'")
         hidden = int(model.config.get_text_config().hidden_size)
         q = rotation_matrix(hidden, self.seed)
         with torch.no_grad():
