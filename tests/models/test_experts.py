@@ -13,6 +13,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import llmeasyquant as lq
+from llmeasyquant.calibration.sequential import capture_block_inputs
+from llmeasyquant.methods.base import BlockContext
 from llmeasyquant.models.arch import arch_for, get_module
 from llmeasyquant.models.experts import ExpertMLP, RoutedExperts, expert_tokens, unfuse_experts
 from llmeasyquant.scheme import parse_scheme
@@ -195,3 +197,23 @@ def test_lean_decoder_and_rotation_refuse_a_mixture_of_experts():
         lq.LeanDecoder(model, 16)
     with pytest.raises(lq.ConfigError, match="mixtral family cannot be rotated"):
         lq.quantize(tiny("mixtral"), [lq.Rotate(), lq.RTN()], lq.W8A16, progress=False)
+
+
+@pytest.mark.parametrize("method", [lq.SmoothQuant(alpha=0.8), lq.AWQ(grid=5, clip=False)], ids=["smoothquant", "awq"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_smoothing_the_norm_every_expert_reads_keeps_the_routing(model_type, method):
+    model = unfuse_experts(tiny(model_type))
+    reference = logits(model)
+    arch = arch_for(model)
+    block = get_module(model, arch.blocks)[0]
+    routers = {name: get_module(block, name).weight.detach().clone() for name in arch.float_layers}
+    plan = {name: lq.W8A8 for name, module in block.named_modules()
+            if type(module) is nn.Linear and name not in arch.float_layers}
+    inputs, kwargs = capture_block_inputs(model, calib())
+    method.apply(block, BlockContext(index=0, prefix="model.layers.0.", plan=plan, arch=arch, inputs=inputs,
+                                     kwargs=kwargs))
+    norm_scale = get_module(block, "post_attention_layernorm").weight
+    assert not torch.allclose(norm_scale, torch.ones_like(norm_scale))  # a scale was folded into the norm
+    for name, before in routers.items():  # and into the router's columns, so routing is unchanged
+        assert not torch.equal(get_module(block, name).weight, before)
+    torch.testing.assert_close(logits(model), reference, rtol=1e-4, atol=1e-4)

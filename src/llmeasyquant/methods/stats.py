@@ -37,6 +37,26 @@ class InputStats:
         """max |x| per input channel [in]."""
         return {name: torch.maximum(-self.lo[name], self.hi[name]) for name in self.lo}
 
+    def pooled(self, names: list[str] | tuple[str, ...], routed: tuple[str, ...]) -> InputStats:
+        """The statistics of what a group of linears that read one stream reads, under the group's first name.
+
+        When none of them is routed they all read the same tensor: the first one's own (these statistics). When
+        some are (a mixture of experts' experts, each reading the tokens routed to it), pooled over those that read
+        any, weighted by their tokens: every token reaches top-k experts (and the shared ones), so the pool is
+        exactly the statistics of the stream."""
+        if not any(n.startswith(routed) for n in names):
+            return self
+        read = [n for n in names if self.tokens.get(n, 0) > 0]
+        first, total = names[0], sum(self.tokens.get(n, 0) for n in read)
+        hessian, lo, hi, tokens = dict(self.hessian), dict(self.lo), dict(self.hi), dict(self.tokens)
+        tokens[first] = total
+        if read and all(n in self.hessian for n in read):
+            hessian[first] = (sum(self.hessian[n].double() * self.tokens[n] for n in read) / total).float()
+        if read and all(n in self.lo for n in read):
+            lo[first] = torch.stack([self.lo[n] for n in read]).amin(dim=0)
+            hi[first] = torch.stack([self.hi[n] for n in read]).amax(dim=0)
+        return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=self.kinds, tokens=tokens)
+
     def divided(self, names: list[str], scales: torch.Tensor) -> InputStats:
         """The statistics once the inputs of `names` are divided channel-wise by `scales` [in] (as SmoothQuant
         and AWQ do), computed from these ones instead of by another pass over the data."""
