@@ -191,12 +191,14 @@ def test_exports_refuse_a_mixture_of_experts(fmt, tmp_path):
         lq.export(model, fmt, tmp_path / ("out.gguf" if fmt == "gguf" else "out"))
 
 
-def test_lean_decoder_and_rotation_refuse_a_mixture_of_experts():
+def test_lean_decoder_rotation_and_search_refuse_a_mixture_of_experts():
     model = lq.quantize(tiny("mixtral"), lq.RTN(), lq.W8A16, progress=False)
     with pytest.raises(lq.ConfigError, match="lean decode loop does not cover the mixtral family"):
         lq.LeanDecoder(model, 16)
     with pytest.raises(lq.ConfigError, match="mixtral family cannot be rotated"):
         lq.quantize(tiny("mixtral"), [lq.Rotate(), lq.RTN()], lq.W8A16, progress=False)
+    with pytest.raises(lq.ConfigError, match="search does not cover the mixture of experts of mixtral"):
+        lq.MixedPrecisionSearch(sensitivity="entropy", method="rtn").measure(tiny("mixtral"), None)
 
 
 @pytest.mark.parametrize("method", [lq.SmoothQuant(alpha=0.8), lq.AWQ(grid=5, clip=False)], ids=["smoothquant", "awq"])
