@@ -44,9 +44,9 @@ class RoutedExperts(nn.ModuleList):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)  # [tokens, hidden]
         for expert in torch.unique(top_k_index).tolist():  # ascending, as the fused loop visits them
+            if expert >= len(self):
+                continue  # transformers' index for "no local expert" (expert parallelism): skipped there too
             token_idx, slot = torch.where(top_k_index == expert)
-            if token_idx.numel() == 0:
-                continue
             # The fused loop orders an expert's rows by top-k slot, then token: the same rows reach each linear.
             order = torch.argsort(slot * top_k_index.shape[0] + token_idx)
             token_idx, slot = token_idx[order], slot[order]
