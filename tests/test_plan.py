@@ -112,6 +112,23 @@ def test_patterns_match_the_whole_name(model):
                                                                         "model.layers.1.self_attn.q_proj"]
 
 
+def test_the_router_and_gates_of_a_mixture_of_experts_stay_float_whatever_the_rule():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmeasyquant.models.experts import unfuse_experts
+
+    config = AutoConfig.for_model("qwen2_moe", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, vocab_size=64, moe_intermediate_size=16,
+                                  shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1)
+    model = unfuse_experts(AutoModelForCausalLM.from_config(config))
+    assert isinstance(model.model.layers[0].mlp.shared_expert_gate, nn.Linear)
+    resolved = Plan((Rule(r".*shared_expert_gate", W8A16), Rule(".*", W8A8))).resolve(model)
+    assert not any(name.endswith(("mlp.gate", "shared_expert_gate")) for name in resolved)
+    experts = {f"model.layers.0.mlp.experts.{e}.{p}_proj" for e in range(2) for p in ("gate", "up", "down")}
+    assert experts <= set(resolved)
+    assert "model.layers.0.mlp.shared_expert.up_proj" in resolved
+
+
 @pytest.mark.parametrize("pattern", ["(", "[a-", "*", "model.layers.(0"])
 def test_invalid_regex(pattern):
     with pytest.raises(ConfigError, match="not a valid regular expression") as info:

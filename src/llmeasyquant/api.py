@@ -15,6 +15,7 @@ from llmeasyquant.calibration.sequential import BlockReport, run_sequential
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import CacheMethod, Method, ModelTransform, Quantizer, Step, Transform, rtn_quant_linear
 from llmeasyquant.models.arch import arch_for, get_module, set_module
+from llmeasyquant.models.experts import unfuse_experts
 from llmeasyquant.models.streaming import BlockStreamer
 from llmeasyquant.nn.kv.cache import KVCacheSpec
 from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear
@@ -35,6 +36,17 @@ class QuantizationInfo:
     quantize_s: float = 0.0
     blocks: list[BlockReport] = field(default_factory=list)
     kv_cache: KVCacheSpec | None = None  # the quantized KV cache to run with, when the recipe had SimQuant
+    # {"tokens": {layer: calibration tokens it read}, "fallbacks": {layer: [what a method did instead]}}, for the
+    # layers of a mixture of experts' experts (whose token counts differ); the checkpoint keeps it.
+    calibration: dict = field(default_factory=dict)
+
+
+def calibration_summary(reports: Sequence[BlockReport], prefix: str, routed: tuple[str, ...]) -> dict:
+    """The token counts of the routed layers (experts) and every fallback, by full layer name."""
+    tokens = {f"{prefix}{r.index}.{name}": n for r in reports for name, n in r.tokens.items()
+              if name.startswith(routed)}
+    fallbacks = {f"{prefix}{r.index}.{name}": notes for r in reports for name, notes in r.fallbacks.items()}
+    return {key: value for key, value in (("tokens", tokens), ("fallbacks", fallbacks)) if value}
 
 
 def _split_recipe(recipe: Sequence[Step]) -> tuple[list[Method], CacheMethod | None]:
@@ -99,6 +111,10 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
         raise ConfigError("this model is quantized already; load the unquantized model to quantize it again")
     plan = Plan.uniform(plan) if isinstance(plan, QuantScheme) else plan
     arch = arch_for(model)
+    if stream is not None and arch.experts is not None:
+        raise ConfigError(f"--stream reads a block's weights by their names in the float checkpoint, which "
+                          f"{arch.family}'s per-expert linears do not have: quantize without --stream")
+    unfuse_experts(model)  # one linear per expert, so that each is calibrated and quantized on its own tokens
     resolved = plan.resolve(model)
     if not resolved:
         raise ConfigError("the plan selects no linear layer of this model; check its patterns")
@@ -131,6 +147,7 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
     model.llmeasyquant = QuantizationInfo(
         recipe=[{"method": m.name, **dataclasses.asdict(m)} for m in recipe], plan=plan.to_dict(),
         float_dtype="float32" if keep_fp32 else "float16", source=getattr(model, "llmeasyquant_source", None),
-        quantize_s=elapsed, blocks=reports, kv_cache=kv_cache)
+        quantize_s=elapsed, blocks=reports, kv_cache=kv_cache,
+        calibration=calibration_summary(reports, arch.blocks + ".", arch.routed))
     log.info("quantized %d layers in %.1f s", len(resolved), elapsed)
     return model

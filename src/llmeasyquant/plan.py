@@ -1,6 +1,7 @@
 """Plan: ordered (pattern -> scheme | skip) rules; the first rule that matches a module's name wins.
 
-Linear layers inside the transformer blocks are matched by every rule. Layers outside them (the LM head) are
+Linear layers inside the transformer blocks are matched by every rule, but for those the architecture keeps float
+(a mixture of experts' router and gates). Layers outside them (the LM head) are
 quantized only when a rule names them, i.e. its pattern contains the module's name; embeddings never are.
 Mixed precision is nothing but a plan with one rule per layer.
 """
@@ -44,12 +45,15 @@ class Plan:
 
     def resolve(self, model: nn.Module) -> dict[str, QuantScheme]:
         """{module name: scheme} for every linear layer the plan quantizes, in model order."""
-        blocks_prefix = arch_for(model).blocks + "."
+        arch = arch_for(model)
+        blocks_prefix = arch.blocks + "."
         resolved: dict[str, QuantScheme] = {}
         for name, module in model.named_modules():
             if not is_linear(module):
                 continue
             inside = name.startswith(blocks_prefix)
+            if inside and name[len(blocks_prefix):].partition(".")[2] in arch.float_layers:
+                continue  # a router or gate the family keeps float (models/arch.py: float_layers)
             for rule in self.rules:
                 if rule.matches(name) and (inside or name in rule.pattern):
                     if rule.scheme is not None:

@@ -15,6 +15,7 @@ from llmeasyquant.calibration.sequential import run_sequential
 from llmeasyquant.methods import SmoothQuant
 from llmeasyquant.methods.rotate import Rotate
 from llmeasyquant.models.arch import ARCHITECTURES, arch_for, get_module, is_linear, query_columns
+from llmeasyquant.models.experts import unfuse_experts
 
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
@@ -34,6 +35,11 @@ CONFIGS = {
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      vocab_size=256, max_position_embeddings=128),  # parallel residual, a quarter of each head rotated
     "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256),  # 7B's layout
+    # Mixtures of experts: 4 experts, 2 per token (tests/models/test_experts.py tests them further).
+    "mixtral": LLAMA_LIKE | dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": LLAMA_LIKE | dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+                                   num_experts_per_tok=2),
+    "qwen3_moe": LLAMA_LIKE | dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=16),
 }
 FAMILIES = sorted(CONFIGS)
 IDS = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -68,7 +74,7 @@ def test_every_family_has_a_tiny_config():
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_table_paths_exist(model_type):
-    model = tiny(model_type)
+    model = unfuse_experts(tiny(model_type))  # a mixture of experts' per-expert paths exist once split
     arch = arch_for(model)
     blocks = get_module(model, arch.blocks)
     assert len(blocks) == 2
@@ -95,7 +101,13 @@ def test_table_paths_exist(model_type):
 def test_rtn_quantizes_every_block_linear_and_round_trips(model_type, tmp_path):
     model = tiny(model_type)
     arch = arch_for(model)
-    linears = [n for n, m in model.named_modules() if is_linear(m) and n.startswith(arch.blocks + ".")]
+    with torch.no_grad():
+        fused = model(torch.arange(24)[None]).logits
+    unfuse_experts(model)  # what quantize() does first: the linears to expect are the split experts'
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.arange(24)[None]).logits, fused)
+    linears = [n for n, m in model.named_modules() if is_linear(m) and n.startswith(arch.blocks + ".")
+               and n[len(arch.blocks) + 1:].partition(".")[2] not in arch.float_layers]
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits
@@ -145,7 +157,7 @@ def _norm_sources(model: torch.nn.Module) -> set[str]:
 def test_smoothing_folds_keep_the_float_function(model_type, method, caplog):
     """The scales folded into each source (Gemma's 1 + w norms included) leave the logits as they were; sources the
     table calls unsmoothable are skipped with their reason logged."""
-    model = tiny(model_type)
+    model = unfuse_experts(tiny(model_type))  # run_sequential reads a mixture of experts' split linears
     arch = arch_for(model)
     block = get_module(model, arch.blocks)[0]
     before = {source: copy.deepcopy(get_module(block, source).state_dict()) for source in _norm_sources(model)}

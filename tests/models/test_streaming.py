@@ -12,6 +12,7 @@ from tests.models.test_arch import FAMILIES, tiny
 import llmeasyquant as lq
 from cli_helpers import assert_one_line_error, run
 from conftest import build_model
+from llmeasyquant.models.arch import ARCHITECTURES
 from llmeasyquant.models.streaming import load_model_streamed
 
 
@@ -79,7 +80,7 @@ def test_cli_stream(capsys, llama_folder: Path, tmp_path: Path) -> None:
     assert_one_line_error(code, err, "--stream", "--calib PATH")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if ARCHITECTURES[f].experts is None])
 def test_every_family_streams_to_the_codes_of_the_in_memory_run(family, tmp_path, tiny_tokenizer):
     """Block streaming reads each family's files (GPT-NeoX's head is stored as `embed_out`: the table's
     `stored_names`) and gives the codes quantizing in memory gives."""
@@ -92,3 +93,14 @@ def test_every_family_streams_to_the_codes_of_the_in_memory_run(family, tmp_path
     lq.quantize(model, lq.GPTQ(), lq.W8A16, calib=calib, progress=False, stream=streamer)
     found = model.state_dict()
     assert all(torch.equal(found[k], v) for k, v in expected.state_dict().items())
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if ARCHITECTURES[f].experts is not None])
+def test_a_mixture_of_experts_is_refused_by_streaming(family, tmp_path, tiny_tokenizer):
+    """Streaming reads blocks by their float checkpoint names, which split experts do not have: a clear refusal."""
+    folder = tmp_path / family
+    tiny(family).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    model, _, streamer = load_model_streamed(folder)
+    with pytest.raises(lq.ConfigError, match=f"{family}'s per-expert linears.*without --stream"):
+        lq.quantize(model, lq.RTN(), lq.W8A16, progress=False, stream=streamer)

@@ -38,6 +38,10 @@ class BlockReport:
     output_rel_error: float | None  # ||quantized - float|| / ||float|| on the calibration inputs, when given
     choices: dict[str, float] = field(default_factory=dict)  # what the methods chose here, e.g. SmoothQuant's alpha
     sent_bytes: int = 0  # what this rank put into collectives for this block (0 in a single process)
+    # Calibration tokens each linear read (block-relative names; a mixture of experts' expert reads only those
+    # routed to it), when calibration data was given; and what the methods did instead for layers that read too few.
+    tokens: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, list[str]] = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -79,6 +83,9 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     """Apply `recipe` to every block in order. `calib` holds token ids [samples, seqlen] when any method needs it;
     `stream` reads each block's weights just before its turn (a model loaded by `load_model_streamed`)."""
     arch = arch_for(model)
+    if arch.experts is not None and distributed.active():
+        raise ConfigError(f"{arch.family} routes each token to some of its experts, differently on each rank, which "
+                          "the statistics summed over ranks do not follow yet: quantize it in one process")
     blocks = blocks_of(model)
     per_block = _block_plans(model, arch, plan)
     static = any(s.static_act for s in plan.values())
@@ -108,11 +115,14 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
         ctx = BlockContext(index=index, prefix=f"{arch.blocks}.{index}.", plan=per_block[index], arch=arch,
                            inputs=inputs, kwargs=kwargs)
         reference = None
+        first_tokens: dict[str, int] = {}
         if inputs is not None:
             # One pass gives the float outputs (for the error shown) and the recipe's input statistics.
             ctx.input_stats, reference = collect_input_stats(block, list(per_block[index]), inputs, kwargs,
-                                                             keep_outputs=True, want=first_pass_stats)
+                                                             keep_outputs=True, want=first_pass_stats,
+                                                             routed=arch.routed)
             ctx.reference_outputs = reference
+            first_tokens = ctx.input_stats.tokens  # what the float block's linears read
         if float_inputs is not None:
             ctx.float_inputs = float_inputs
             ctx.float_outputs = reference if float_inputs is inputs else run_block(block, float_inputs, kwargs)
@@ -123,12 +133,16 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
                 method.apply(block, ctx)
         error = None
         if inputs is not None:
-            calibrate_static_inputs(block, ctx.input_stats, inputs, kwargs)
+            for name in calibrate_static_inputs(block, ctx.input_stats, inputs, kwargs, arch.routed):
+                note = "static input range: no calibration token, took the range of the other experts' same layer"
+                ctx.fallbacks.setdefault(name, []).append(note)
+                log.warning("%s%s: %s", ctx.prefix, name, note)
             inputs = run_block(block, inputs, kwargs)  # quantized outputs feed the next block
             float_inputs = ctx.float_outputs
             error = relative_error(inputs, reference)
             bar.set_postfix(out_err=f"{error:.4f}", **{k: f"{v:.3g}" for k, v in ctx.stats.items()})
         reports.append(BlockReport(index=index, layers=len(per_block[index]), output_rel_error=error,
-                                   choices=dict(ctx.stats), sent_bytes=distributed.sent_bytes() - sent_before))
+                                   choices=dict(ctx.stats), sent_bytes=distributed.sent_bytes() - sent_before,
+                                   tokens=first_tokens, fallbacks=ctx.fallbacks))
         log.debug("block %d: %d layers quantized, output error %s", index, len(per_block[index]), error)
     return reports

@@ -73,6 +73,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         protocol = {"method": args.method, "preset": args.preset, "recipe": model.llmeasyquant.recipe,
                     "plan": model.llmeasyquant.plan, "seed": args.seed, "calib": args.calib,
                     "calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
+        fallbacks = model.llmeasyquant.calibration.get("fallbacks")
+        if fallbacks:  # experts that read too few calibration tokens, and what the methods did instead
+            protocol["fallbacks"] = fallbacks
         write_records(args.json, Record.new("quantize", args.model, metrics, protocol, args.command_line))
 
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from llmeasyquant.errors import CheckpointError, ConfigError
 from llmeasyquant.infra.files import check_output, staged_folder
 from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
+from llmeasyquant.models.experts import unfuse_experts
 from llmeasyquant.models.load import no_init_weights
 from llmeasyquant.nn.kv.cache import KVCacheSpec
 from llmeasyquant.nn.kv.calibration import KeyRanges
@@ -76,6 +77,8 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
     }
     transforms = {name: layer.input_transform.describe() for name, layer in layers.items()
                   if layer.input_transform is not None}
+    if info.calibration:  # a mixture of experts: tokens per expert layer, and the fallbacks of those that had few
+        qconfig["calibration"] = info.calibration
     if transforms:  # rotate's online Hadamard: its shape here, its signs and odd part in the tensors
         qconfig["input_transforms"] = transforms
     kv = info.kv_cache
@@ -149,6 +152,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
         raise CheckpointError(f"{path} has an unreadable configuration ({exc}); re-create the checkpoint") from exc
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    unfuse_experts(model)  # quantize() split the experts into per-expert linears: so are the stored layers
     for name, scheme in schemes.items():
         try:
             module = get_module(model, name)
@@ -176,6 +180,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
 
     model.llmeasyquant = QuantizationInfo(recipe=qconfig.get("recipe", []), plan=qconfig.get("plan", {}),
                                           float_dtype=qconfig["float_dtype"], source=qconfig.get("source_model"),
+                                          calibration=qconfig.get("calibration", {}),
                                           kv_cache=_read_kv_cache(path, qconfig,
                                                                   config.get_text_config().num_hidden_layers))
     tokenizer = None

@@ -118,6 +118,13 @@ def export_compressed_tensors(model: nn.Module, tokenizer: object | None, out: s
                               force: bool = False) -> ExportResult:
     """Write `model` (quantized) as a compressed-tensors checkpoint folder that vLLM and transformers load."""
     clock = Stopwatch()
+    arch = arch_for(model)
+    if arch.experts is not None:
+        # transformers 5 builds these experts fused (3D parameters), which compressed-tensors' per-Linear
+        # quantization does not cover; the names of our per-expert linears are not those vLLM reads either.
+        raise ConfigError(f"compressed-tensors export does not cover the mixture of experts of {arch.family}: its "
+                          "runtime holds each block's experts fused, not as the per-expert linears quantized here; "
+                          "keep the llmeasyquant checkpoint (llmeasyquant.save) for this model")
     layers = layers_to_export(model, "compressed-tensors")
     lifecycle = require("compressed_tensors.quantization", INSTALL)
     compressors = require("compressed_tensors.compressors", INSTALL)

@@ -40,6 +40,7 @@ from llmeasyquant.export.onnx_graph import (
 )
 from llmeasyquant.infra.files import check_output, staged_folder
 from llmeasyquant.kernels import REFERENCE
+from llmeasyquant.models.arch import arch_for
 from llmeasyquant.nn.qlinear import QuantLinear, forced_kernel
 from llmeasyquant.scheme import ActMode, PerToken
 
@@ -201,6 +202,11 @@ def export_onnx(model: nn.Module, tokenizer: object | None, out: str | Path, for
     `external_data` None puts the weights in model.onnx.data when they pass 1.5 GB. `verify` runs the file with
     ONNX Runtime on a few tokens and records the largest logit difference in the result's notes.
     """
+    arch = arch_for(model)
+    if arch.experts is not None:
+        raise ConfigError(f"ONNX export does not cover the mixture of experts of {arch.family}: which experts run "
+                          "depends on the tokens, and the traced graph would keep the routing of the trace's own "
+                          "tokens; keep the llmeasyquant checkpoint (llmeasyquant.save) for this model")
     layers = layers_to_export(model, "ONNX")
     check_output(Path(out).expanduser(), force)  # before the slow trace; staged_folder checks again when writing
     for module in ("onnx", "onnx_ir", "onnxruntime"):

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from llmeasyquant.infra import distributed
-from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats
-from llmeasyquant.methods.smoothquant import fold_scales, foldable, smoothable_pairs
+from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats, short_of_tokens
+from llmeasyquant.methods.smoothquant import float_readers, fold_scales, foldable, smoothable_pairs
 from llmeasyquant.models.arch import linear_weight
 from llmeasyquant.primitives import expand_groups, fake_quantize, group_ranges
 from llmeasyquant.scheme import PerTensor, QuantScheme
@@ -31,6 +31,9 @@ class AWQ(Transform):
     clip: bool = True
     clip_grid: int = 20
     min_clip: float = 0.5
+    # Layers that read fewer calibration tokens (experts the router sent few or none) keep their weights: no scale
+    # search for a group whose inputs they read, no clipping; the fallback is named in the log and the checkpoint.
+    min_tokens: int = 16
 
     name: ClassVar[str] = "awq"
     needs_calibration: ClassVar[bool] = True
@@ -42,24 +45,29 @@ class AWQ(Transform):
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         stats = block_input_stats(block, ctx, self.input_stats)
         ctx.input_stats = None  # clipping changes what later linears of the block read: not followed exactly
+        routed = ctx.arch.routed
         groups = [(src, list(targets)) for src, targets in smoothable_pairs(ctx)
-                  if all(t in ctx.plan for t in targets) and foldable(block, src, list(targets))]
+                  if all(t in ctx.plan for t in targets) and foldable(block, src, list(targets))
+                  and not short_of_tokens(ctx, stats.pooled(targets, routed), [targets[0]], self.min_tokens,
+                                          self.name, "no scaling")]
         # Under torch.distributed each search runs on one rank (balanced by cost) and its result is broadcast; in
         # one process rank 0 owns them all. A group's search reads only its targets' weights and inputs, which
         # no other group's folding touches, so the searches can all run before any scale is folded.
         owners = distributed.assign([_cost(block, targets) for _, targets in groups], distributed.world())
         found = {i: search_scales({t: linear_weight(block.get_submodule(t)).detach().float() for t in targets},
-                                  stats.hessian[targets[0]], {t: ctx.plan[t] for t in targets}, self.grid)
+                                  stats.pooled(targets, routed).hessian[targets[0]], {t: ctx.plan[t] for t in targets},
+                                  self.grid)
                  for i, ((_, targets), owner) in enumerate(zip(groups, owners, strict=True))
                  if owner == distributed.rank()}
         for i, ((src, targets), owner) in enumerate(zip(groups, owners, strict=True)):
-            scales = found.get(i, torch.empty(stats.hessian[targets[0]].shape[0]))
+            scales = found.get(i, torch.empty(linear_weight(block.get_submodule(targets[0])).shape[1]))
             distributed.broadcast_(scales, owner)
             fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales,
-                        ctx.arch.norm_offset)
+                        float_readers(block, ctx.arch, src), ctx.arch.norm_offset)
             stats = stats.divided(targets, scales)  # the targets now read x / s
         if self.clip:
-            names = list(ctx.plan)
+            names = [n for n in ctx.plan
+                     if not short_of_tokens(ctx, stats, [n], self.min_tokens, self.name, "no clipping")]
             owners = distributed.assign([_cost(block, [n]) for n in names], distributed.world())
             for name, owner in zip(names, owners, strict=True):
                 if owner == distributed.rank():

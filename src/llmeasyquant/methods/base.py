@@ -7,6 +7,7 @@ transform that rewrites the whole model once before the blocks are calibrated.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -22,6 +23,8 @@ from llmeasyquant.scheme import QuantScheme
 
 if TYPE_CHECKING:
     from llmeasyquant.nn.kv.cache import KVCacheSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +47,9 @@ class BlockContext:
     # them (what layer-by-layer distillation matches).
     float_inputs: list[torch.Tensor] | None = None
     float_outputs: list[torch.Tensor] | None = None
+    # Block-relative linear name -> what a method did instead for it, when its calibration tokens were too few
+    # (a mixture of experts' expert that the router sent few or none): kept in the checkpoint's metadata.
+    fallbacks: dict[str, list[str]] = field(default_factory=dict)
 
 
 class Method(ABC):
@@ -106,5 +112,19 @@ def block_input_stats(block: nn.Module, ctx: BlockContext, want: frozenset[str])
     """The statistics of the block's linear inputs: those the runner gathered, or one pass now if weights changed
     or the runner did not gather what `want` names."""
     if ctx.input_stats is None or not want <= ctx.input_stats.kinds:
-        ctx.input_stats, _ = collect_input_stats(block, list(ctx.plan), ctx.inputs, ctx.kwargs, want=want)
+        ctx.input_stats, _ = collect_input_stats(block, list(ctx.plan), ctx.inputs, ctx.kwargs, want=want,
+                                                 routed=ctx.arch.routed)
     return ctx.input_stats
+
+
+def short_of_tokens(ctx: BlockContext, stats: InputStats, names: list[str], min_tokens: int, method: str,
+                    fallback: str) -> bool:
+    """Whether any of `names` read fewer than `min_tokens` calibration tokens (only an expert of a mixture of
+    experts can: every other linear reads every token). Each such layer's fallback is logged and noted in
+    `ctx.fallbacks`, which the checkpoint keeps."""
+    short = [n for n in names if stats.tokens.get(n, 0) < min_tokens]
+    for name in short:
+        note = f"{method}: {stats.tokens.get(name, 0)} calibration tokens (fewer than {min_tokens}), {fallback}"
+        ctx.fallbacks.setdefault(name, []).append(note)
+        log.warning("%s%s: %s", ctx.prefix, name, note)
+    return bool(short)

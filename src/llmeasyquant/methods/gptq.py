@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from llmeasyquant.methods.base import BlockContext, Quantizer, block_input_stats
+from llmeasyquant.methods.base import BlockContext, Quantizer, block_input_stats, rtn_quant_linear, short_of_tokens
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.nn.transform import carry_input_transform
@@ -33,6 +33,9 @@ class GPTQ(Quantizer):
     block_size: int = 128
     damp: float = 0.01
     act_order: bool = True  # as llm-compressor's default: on this model it decides whether GPTQ beats RTN
+    # A layer that read fewer calibration tokens (an expert the router sent few or none) has too poor a Hessian to
+    # solve against: it is rounded to nearest instead, and the fallback named in the log and the checkpoint.
+    min_tokens: int = 16
 
     name: ClassVar[str] = "gptq"
     needs_calibration: ClassVar[bool] = True
@@ -41,9 +44,13 @@ class GPTQ(Quantizer):
     float_path: ClassVar[bool] = False
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
-        hessians = block_input_stats(block, ctx, self.input_stats).hessian
+        stats = block_input_stats(block, ctx, self.input_stats)
+        hessians = stats.hessian
         for rel_name, scheme in ctx.plan.items():
             module = block.get_submodule(rel_name)
+            if short_of_tokens(ctx, stats, [rel_name], self.min_tokens, self.name, "rounded to nearest (RTN)"):
+                set_module(block, rel_name, rtn_quant_linear(module, scheme, ctx.prefix + rel_name))
+                continue
             weight = linear_weight(module).detach().float()
             check_finite(weight, ctx.prefix + rel_name)
             codes, qp = gptq_solve(weight, hessians[rel_name], scheme, self.block_size, self.damp, self.act_order)

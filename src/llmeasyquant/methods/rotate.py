@@ -110,7 +110,8 @@ class Rotate(ModelTransform):
         if spec is None:
             raise ConfigError(f"the {arch.family} family cannot be rotated (no `rotation` in its models/arch.py "
                               "entry): a LayerNorm subtracts the mean, and a norm on a block's outputs (Gemma 2/3) "
-                              "sits between the linears and the stream, neither of which commutes with a rotation; "
+                              "sits between the linears and the stream, neither of which commutes with a rotation; a "
+                              "mixture of experts' router reads the stream, which the rotation does not follow yet; "
                               "use a recipe without 'rotate'")
         hidden = int(model.config.get_text_config().hidden_size)
         q = rotation_matrix(hidden, self.seed)

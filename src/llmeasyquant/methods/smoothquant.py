@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats
+from llmeasyquant.methods.base import BlockContext, Transform, block_input_stats, short_of_tokens
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.stats import InputStats, calibrate_static_inputs, relative_error, run_block
-from llmeasyquant.models.arch import is_linear, linear_weight
+from llmeasyquant.models.arch import ArchSpec, is_linear, linear_weight
 from llmeasyquant.nn.transform import input_transform_of
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,9 @@ class SmoothQuant(Transform):
     alpha: float | str = 0.5
     alpha_grid: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
     search_samples: int = 16
+    # A pair whose linears read fewer calibration tokens (an expert the router sent few or none) is not smoothed;
+    # the fallback is named in the log and the checkpoint.
+    min_tokens: int = 16
 
     name: ClassVar[str] = "smoothquant"
     needs_calibration: ClassVar[bool] = True
@@ -60,9 +63,14 @@ class SmoothQuant(Transform):
         if not pairs:
             return
         stats = block_input_stats(block, ctx, self.input_stats)
+        pairs = [(src, targets) for src, targets in pairs
+                 if not short_of_tokens(ctx, stats.pooled(targets, ctx.arch.routed), [targets[0]], self.min_tokens,
+                                        self.name, "not smoothed")]
+        if not pairs:
+            return
         alpha = self.alpha if self.alpha != "auto" else self._search_alpha(block, ctx, pairs, stats)
         # The statistics follow the smoothing exactly, so the quantizer after us needs no pass of its own.
-        ctx.input_stats = smooth(block, pairs, stats, alpha, ctx.arch.norm_offset)
+        ctx.input_stats = smooth(block, pairs, stats, alpha, ctx.arch)
 
     def _search_alpha(self, block: nn.Module, ctx: BlockContext, pairs: Pairs, stats: InputStats) -> float:
         """Try each alpha on a copy of the block, rounded to nearest with the block's schemes."""
@@ -72,9 +80,9 @@ class SmoothQuant(Transform):
         errors = {}
         for alpha in self.alpha_grid:
             trial = copy.deepcopy(block)
-            trial_stats = smooth(trial, pairs, stats, alpha, ctx.arch.norm_offset)
+            trial_stats = smooth(trial, pairs, stats, alpha, ctx.arch)
             RTN().apply(trial, ctx)
-            calibrate_static_inputs(trial, trial_stats, inputs, kwargs)
+            calibrate_static_inputs(trial, trial_stats, inputs, kwargs, ctx.arch.routed)
             errors[alpha] = relative_error(run_block(trial, inputs, kwargs), reference)
         best = min(errors, key=errors.__getitem__)
         log.debug("block %d: SmoothQuant output error by alpha %s -> %.2f", ctx.index, errors, best)
@@ -92,15 +100,20 @@ def smoothable_pairs(ctx: BlockContext) -> Pairs:
     return [(src, targets) for src, targets in ctx.arch.smoothing if src not in skipped]
 
 
-def smooth(block: nn.Module, pairs: Pairs, stats: InputStats, alpha: float, norm_offset: float = 0.0) -> InputStats:
-    """Fold the smoothing scales of every pair into `block`; the input statistics after it. `norm_offset`: the
-    family's norms scale by (norm_offset + weight) (models/arch.py)."""
+def smooth(block: nn.Module, pairs: Pairs, stats: InputStats, alpha: float, arch: ArchSpec) -> InputStats:
+    """Fold the smoothing scales of every pair into `block`; the input statistics after it."""
     for src, targets in pairs:
-        scales = smoothing_scales(stats.absmax[targets[0]], [linear_weight(block.get_submodule(t)) for t in targets],
-                                  alpha)
-        fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales, norm_offset)
+        scales = smoothing_scales(stats.pooled(targets, arch.routed).absmax[targets[0]],
+                                  [linear_weight(block.get_submodule(t)) for t in targets], alpha)
+        fold_scales(block.get_submodule(src), [block.get_submodule(t) for t in targets], scales,
+                    float_readers(block, arch, src), arch.norm_offset)
         stats = stats.divided(list(targets), scales)
     return stats
+
+
+def float_readers(block: nn.Module, arch: ArchSpec, src: str) -> list[nn.Module]:
+    """The float modules besides the targets that read `src` (a MoE router reading the post-attention norm)."""
+    return [block.get_submodule(name) for source, names in arch.float_readers if source == src for name in names]
 
 
 def foldable(block: nn.Module, src: str, targets: tuple[str, ...]) -> bool:
@@ -125,12 +138,16 @@ def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alph
     return torch.where(bad, torch.ones_like(scales), scales).clamp(min=1e-5)
 
 
-def fold_scales(source: nn.Module, targets: list[nn.Module], scales: torch.Tensor, norm_offset: float = 0.0) -> None:
-    """targets' input columns *= s; source's output /= s (norm scale and bias, or a linear's output rows). A norm
+def fold_scales(source: nn.Module, targets: list[nn.Module], scales: torch.Tensor,
+                readers: list[nn.Module] = (), norm_offset: float = 0.0) -> None:
+    """targets' input columns *= s; source's output /= s (norm scale and bias, or a linear's output rows); `readers`
+    (float modules that read the source too, with a `weight` [out, in]: a MoE router) keep their function. A norm
     that scales by (norm_offset + w) gets w <- (norm_offset + w) / s - norm_offset (Gemma's 1 + w)."""
     for target in targets:
         weight = linear_weight(target)  # [out, in], a view for GPT-2's Conv1D: updated in place
         weight.mul_(scales.to(weight.dtype)[None, :])
+    for reader in readers:
+        reader.weight.mul_(scales.to(reader.weight.dtype)[None, :])
     if is_linear(source):
         linear_weight(source).div_(scales.to(source.weight.dtype)[:, None])
     elif norm_offset:

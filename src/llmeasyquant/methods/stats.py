@@ -3,15 +3,20 @@
 Linears that read the same tensor (q, k and v; gate and up) share one accumulation: the statistic is computed once
 and handed to each of them. The sequential runner collects them during the pass that computes the float block's
 outputs, so the first method of a recipe gets them without a pass of its own.
+
+Each linear's count of calibration tokens is kept beside its statistics: a mixture of experts' expert reads only the
+tokens routed to it, possibly none (such layers are named by `routed` prefixes; the methods fall back for those that
+read too few, see methods/base.py `short_of_tokens`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from llmeasyquant.errors import ConfigError
 from llmeasyquant.infra import distributed
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.nn.transform import transformed_input
@@ -25,11 +30,32 @@ class InputStats:
     lo: dict[str, torch.Tensor]  # min x per input channel [in]
     hi: dict[str, torch.Tensor]  # max x per input channel [in]
     kinds: frozenset[str] = STATS  # which of the two were collected
+    tokens: dict[str, int] = field(default_factory=dict)  # calibration tokens each linear read (0: none reached it)
 
     @property
     def absmax(self) -> dict[str, torch.Tensor]:
         """max |x| per input channel [in]."""
         return {name: torch.maximum(-self.lo[name], self.hi[name]) for name in self.lo}
+
+    def pooled(self, names: list[str] | tuple[str, ...], routed: tuple[str, ...]) -> InputStats:
+        """The statistics of what a group of linears that read one stream reads, under the group's first name.
+
+        When none of them is routed they all read the same tensor: the first one's own (these statistics). When
+        some are (a mixture of experts' experts, each reading the tokens routed to it), pooled over those that read
+        any, weighted by their tokens: every token reaches top-k experts (and the shared ones), so the pool is
+        exactly the statistics of the stream."""
+        if not any(n.startswith(routed) for n in names):
+            return self
+        read = [n for n in names if self.tokens.get(n, 0) > 0]
+        first, total = names[0], sum(self.tokens.get(n, 0) for n in read)
+        hessian, lo, hi, tokens = dict(self.hessian), dict(self.lo), dict(self.hi), dict(self.tokens)
+        tokens[first] = total
+        if read and all(n in self.hessian for n in read):
+            hessian[first] = (sum(self.hessian[n].double() * self.tokens[n] for n in read) / total).float()
+        if read and all(n in self.lo for n in read):
+            lo[first] = torch.stack([self.lo[n] for n in read]).amin(dim=0)
+            hi[first] = torch.stack([self.hi[n] for n in read]).amax(dim=0)
+        return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=self.kinds, tokens=tokens)
 
     def divided(self, names: list[str], scales: torch.Tensor) -> InputStats:
         """The statistics once the inputs of `names` are divided channel-wise by `scales` [in] (as SmoothQuant
@@ -40,7 +66,7 @@ class InputStats:
                 hessian[name] = self.hessian[name] / scales[:, None] / scales[None, :]
             if name in lo:
                 lo[name], hi[name] = self.lo[name] / scales, self.hi[name] / scales
-        return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=self.kinds)
+        return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=self.kinds, tokens=self.tokens)
 
 
 def first_output(output: object) -> torch.Tensor:
@@ -64,12 +90,14 @@ def relative_error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -
 
 @torch.no_grad()
 def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: list[dict],
-                        keep_outputs: bool = False, want: frozenset[str] = STATS
+                        keep_outputs: bool = False, want: frozenset[str] = STATS, routed: tuple[str, ...] = ()
                         ) -> tuple[InputStats, list[torch.Tensor] | None]:
     """Statistics of what each named linear reads, and (optionally) the block's outputs, from one pass.
 
     `want` picks the statistics ("hessian", "range"): a Hessian costs a GEMM per input, so only those who use it
-    pay for it; the others come back empty."""
+    pay for it; the others come back empty. Names starting with one of the `routed` prefixes (a mixture of experts'
+    experts) may read no token: they get a count of 0 and no statistics; any other name that reads none is an
+    error."""
     sums: dict[str, torch.Tensor] = {}
     lo: dict[str, torch.Tensor] = {}
     hi: dict[str, torch.Tensor] = {}
@@ -111,7 +139,7 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     finally:
         for handle in handles:
             handle.remove()
-    missing = [n for n in names if n not in counts and n not in alias]
+    missing = [n for n in names if n not in counts and n not in alias and not n.startswith(routed)]
     if missing:
         raise RuntimeError(f"no calibration input reached {missing}; the block's forward never called them")
     # Under torch.distributed each rank saw its share of the batches: sum the statistics over ranks (in the order
@@ -128,7 +156,8 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
             hessian[name] = hessian[owner]
         if owner in lo:
             lo[name], hi[name] = lo[owner], hi[owner]
-    return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=frozenset(want)), outputs
+    tokens = {name: counts.get(alias.get(name, name), 0) for name in names}
+    return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=frozenset(want), tokens=tokens), outputs
 
 
 def static_input_layers(block: nn.Module) -> dict[str, QuantLinear]:
@@ -138,21 +167,50 @@ def static_input_layers(block: nn.Module) -> dict[str, QuantLinear]:
 
 @torch.no_grad()
 def calibrate_static_inputs(block: nn.Module, stats: InputStats | None, inputs: list[torch.Tensor],
-                            kwargs: list[dict]) -> None:
-    """Set the static activation scale of each such layer from the range of its calibration inputs.
+                            kwargs: list[dict], routed: tuple[str, ...] = ()) -> list[str]:
+    """Set the static activation scale of each such layer from the range of its calibration inputs; returns the
+    layers that took a pooled range instead (see `_pooled_range`).
 
     The ranges come from `stats` when they hold them (the float block's inputs, kept exact through smoothing),
     otherwise from one pass over the quantized block with those layers scaling their inputs on the fly."""
     layers = static_input_layers(block)
     if not layers:
-        return
-    if stats is None or "range" not in stats.kinds or not set(layers) <= set(stats.lo):
+        return []
+    needed = {name for name in layers if not name.startswith(routed)}
+    if stats is None or "range" not in stats.kinds or not needed <= set(stats.lo):
         for layer in layers.values():
             layer.observing = True
         try:
-            stats, _ = collect_input_stats(block, list(layers), inputs, kwargs, want=frozenset({"range"}))
+            stats, _ = collect_input_stats(block, list(layers), inputs, kwargs, want=frozenset({"range"}),
+                                           routed=routed)
         finally:
             for layer in layers.values():
                 layer.observing = False
+    pooled = []
     for name, layer in layers.items():
-        layer.set_input_range(float(stats.lo[name].min()), float(stats.hi[name].max()))
+        if name in stats.lo:
+            layer.set_input_range(float(stats.lo[name].min()), float(stats.hi[name].max()))
+        else:
+            layer.set_input_range(*_pooled_range(name, stats, routed))
+            pooled.append(name)
+    return pooled
+
+
+def expert_role(name: str, routed: tuple[str, ...]) -> str | None:
+    """'mlp.experts.3.down_proj' -> 'mlp.experts.*.down_proj': what the same linear of every expert shares."""
+    prefix = next((p for p in routed if name.startswith(p)), None)
+    if prefix is None:
+        return None
+    _index, _, rest = name[len(prefix):].partition(".")
+    return f"{prefix}*.{rest}"
+
+
+def _pooled_range(name: str, stats: InputStats, routed: tuple[str, ...]) -> tuple[float, float]:
+    """An expert no calibration token reached takes the range of what the same linear of the block's other experts
+    read (the gate/up projections all read the post-attention norm's output)."""
+    role = expert_role(name, routed)
+    peers = [n for n in stats.lo if role is not None and expert_role(n, routed) == role]
+    if not peers:
+        raise ConfigError(f"no calibration token reached any {role or name}, so no static activation scale can be "
+                          "set for it: give more calibration samples or use dynamic activations")
+    return (min(float(stats.lo[n].min()) for n in peers), max(float(stats.hi[n].max()) for n in peers))

@@ -8,7 +8,8 @@ model (`blocks`, `lm_head`, ...) or to one block (attention projections, smoothi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 from torch import nn
@@ -80,6 +81,26 @@ class RotationSpec:
 
 
 @dataclass(frozen=True)
+class ExpertsSpec:
+    """A mixture-of-experts block as transformers 5 stores it: the experts of a block fused into one module at
+    `path` (relative to the block) holding `gate_up` [experts, 2·intermediate, hidden] (gate rows first, then up)
+    and `down` [experts, hidden, intermediate]. models/experts.py rewrites it as one gate/up/down triple of
+    nn.Linear per expert (`<path>.<e>.gate_proj` ...) so that the methods see each expert's linears and only the
+    tokens routed to it. `count` and `top_k` name the config attributes with the number of experts and how many
+    of them each token goes to. `smoothing` are smoothing pairs naming experts with `{e}` for the expert's index,
+    added to the family's own pairs: a pair whose source names `{e}` once per expert (an expert's up -> down), a pair
+    whose targets alone do once, with the targets of every expert (the norm every expert reads)."""
+
+    path: str
+    count: str
+    top_k: str = "num_experts_per_tok"
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    activation: str = "act_fn"
+    smoothing: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     family: str
     blocks: str  # the ModuleList of transformer blocks
@@ -111,6 +132,19 @@ class ArchSpec:
     # (module path, its name in the family's safetensors files) where they differ: transformers renames some on
     # load (GPT-NeoX's head is `embed_out` on disk, `lm_head` in the model); block streaming reads the files.
     stored_names: tuple[tuple[str, str], ...] = ()
+    # Mixture of experts: where a block's fused experts are; None for a dense family.
+    experts: ExpertsSpec | None = None
+    # Block linears that stay float whatever the plan says: a MoE router's or gate's rounding error changes which
+    # experts a token goes to (or how much of the shared expert it takes), for a few bytes saved.
+    float_layers: tuple[str, ...] = ()
+    # (smoothing source, float modules that read it too): a scale folded into the source is multiplied into their
+    # weight's input columns, so that they read what they read before (a MoE router reads the post-attention norm).
+    float_readers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def routed(self) -> tuple[str, ...]:
+        """Block-relative prefixes of the linears that read only the tokens routed to them (and may read none)."""
+        return (self.experts.path + ".",) if self.experts is not None else ()
 
 
 _LLAMA_LIKE = dict(
@@ -263,6 +297,35 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
 }
 
+# Mixture of experts (transformers 5 fuses each block's experts into 3D parameters; models/experts.py splits them).
+# The post-attention norm feeds every expert and the router: a scale folded into it is multiplied into the router's
+# columns too (float_readers), so that routing is unchanged.
+_MOE_BASE = {k: v for k, v in _LLAMA_LIKE.items() if k not in ("smoothing", "rotation")} | dict(
+    decoder_missing="routed experts (a router choosing each token's experts, one small GEMM per expert)")
+_MOE_ATTENTION_SMOOTHING = _LLAMA_LIKE["smoothing"][:2]
+_EXPERT_SMOOTHING = (("post_attention_layernorm", ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj")),
+                     ("mlp.experts.{e}.up_proj", ("mlp.experts.{e}.down_proj",)))
+ARCHITECTURES.update({
+    # Mixtral's router is a MixtralTopKRouter (not a linear, never quantized); it is named here all the same.
+    "mixtral": ArchSpec(family="mixtral", **_MOE_BASE, smoothing=_MOE_ATTENTION_SMOOTHING, float_layers=("mlp.gate",),
+                        float_readers=(("post_attention_layernorm", ("mlp.gate",)),),
+                        experts=ExpertsSpec("mlp.experts", count="num_local_experts", smoothing=_EXPERT_SMOOTHING)),
+    # Qwen2-MoE adds a shared expert (a dense MLP every token reads) scaled by a sigmoid gate, an nn.Linear kept
+    # float. Layers the config makes dense (`mlp_only_layers`) are quantized as plain MLPs, without smoothing.
+    "qwen2_moe": ArchSpec(
+        family="qwen2_moe", **_MOE_BASE,
+        smoothing=(*_MOE_ATTENTION_SMOOTHING, ("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",))),
+        float_layers=("mlp.gate", "mlp.shared_expert_gate"),
+        float_readers=(("post_attention_layernorm", ("mlp.gate", "mlp.shared_expert_gate")),),
+        experts=ExpertsSpec("mlp.experts", count="num_experts", smoothing=(
+            ("post_attention_layernorm", ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                                          "mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj")),
+            _EXPERT_SMOOTHING[1]))),
+    "qwen3_moe": ArchSpec(family="qwen3_moe", **_MOE_BASE, smoothing=_MOE_ATTENTION_SMOOTHING,
+                          float_layers=("mlp.gate",), float_readers=(("post_attention_layernorm", ("mlp.gate",)),),
+                          experts=ExpertsSpec("mlp.experts", count="num_experts", smoothing=_EXPERT_SMOOTHING)),
+})
+
 # How to read a linear-like module's weight as [out, in]. GPT-2's Conv1D stores it transposed; this table is
 # the one place that knows.
 LINEAR_WEIGHT: dict[type, Callable[[nn.Module], torch.Tensor]] = {
@@ -288,7 +351,23 @@ def arch_for(model: nn.Module) -> ArchSpec:
                 f"llmeasyquant/models/arch.py:ARCHITECTURES covers {name}={value!r} only "
                 f"({', '.join(f'{n}={v!r}' for n, v in spec.requires)}). Add a family entry for this layout"
             )
-    return spec
+    if spec.experts is None:
+        return spec
+    return _with_experts(model_type, int(getattr(model.config, spec.experts.count)))
+
+
+@cache
+def _with_experts(model_type: str, experts: int) -> ArchSpec:
+    """The family's entry with the smoothing pairs that name experts written out for `experts` experts."""
+    spec = ARCHITECTURES[model_type]
+    pairs: list[tuple[str, tuple[str, ...]]] = []
+    for src, targets in spec.experts.smoothing:
+        if "{e}" in src:  # one pair per expert
+            pairs += [(src.format(e=e), tuple(t.format(e=e) for t in targets)) for e in range(experts)]
+        else:  # one pair: the fixed targets, then each expert's
+            every = tuple(t.format(e=e) for e in range(experts) for t in targets if "{e}" in t)
+            pairs.append((src, tuple(t for t in targets if "{e}" not in t) + every))
+    return replace(spec, smoothing=spec.smoothing + tuple(pairs))
 
 
 def head_dim_of(config: object) -> int:

@@ -84,7 +84,9 @@ def _fusable(members: list[nn.Module]) -> bool:
 def fuse_shared_inputs(model: nn.Module) -> int:
     """Fuse, in every block, the quantized linears that read one input; returns how many groups were fused."""
     arch = arch_for(model)
-    groups = [consumers for _, consumers in arch.smoothing if len(consumers) > 1]
+    # Experts' linears read only the tokens routed to each: they share no input with one another.
+    groups = [consumers for _, consumers in arch.smoothing
+              if len(consumers) > 1 and not any(name.startswith(arch.routed) for name in consumers)]
     fused = 0
     for block in blocks_of(model):
         for names in groups:
