@@ -17,10 +17,16 @@ import llmeasyquant as lq
 from conftest import build_model
 from llmeasyquant.eval.perplexity import EvalWindows, evaluate_windows
 from llmeasyquant.infra import distributed
+from llmeasyquant.plan import Plan
+from llmeasyquant.search.mixed_precision import Budget, MixedPrecisionSearch
+
+# The configurations whose codes must be the same on 2 ranks as in one process (tests/infra/test_distributed.py).
+CONFIGS = ("rtn", "gptq-sym", "gptq-asym", "awq", "smoothquant", "mixed")
+PLAN_FILE = "plan.json"  # the mixed-precision plan, searched by the test before the ranks start
 
 
 def calib_ids() -> torch.Tensor:
-    return torch.randint(3, 256, (6, 40), generator=torch.Generator().manual_seed(11))
+    return torch.randint(3, 256, (16, 40), generator=torch.Generator().manual_seed(11))
 
 
 def eval_windows() -> EvalWindows:
@@ -29,34 +35,55 @@ def eval_windows() -> EvalWindows:
 
 
 def recipe(name: str) -> list:
-    return {"rtn": [lq.RTN()], "gptq": [lq.GPTQ()], "awq": [lq.AWQ(), lq.RTN()],
-            "smoothquant": [lq.SmoothQuant(alpha=0.5), lq.RTN()], "zeroquant": [lq.ZeroQuant(steps=2)]}[name]
+    return {"rtn": [lq.RTN()], "gptq": [lq.GPTQ()], "gptq-sym": [lq.GPTQ()], "gptq-asym": [lq.GPTQ()],
+            "awq": [lq.AWQ(), lq.RTN()], "mixed": [lq.GPTQ()],
+            # alpha searched on the first 5 samples of all: 3 on rank 0, 2 on rank 1
+            "smoothquant": [lq.SmoothQuant(alpha="auto", search_samples=5), lq.RTN()],
+            "zeroquant": [lq.ZeroQuant(steps=2)]}[name]
 
 
-def scheme(name: str) -> lq.QuantScheme:
-    return lq.parse_scheme("w8a8" if name == "smoothquant" else "w4a16-g32-asym")
+def scheme(name: str, folder: str | Path | None = None) -> lq.QuantScheme | Plan:
+    if name == "mixed":
+        return Plan.load(Path(folder, PLAN_FILE))
+    return lq.parse_scheme({"smoothquant": "w8a8", "gptq-sym": "w4a16-g64"}.get(name, "w4a16-g32-asym"))
+
+
+def search_plan() -> Plan:
+    """A mixed-precision plan (2, 4 and 8 bits by layer) from the search, in one process (it does not run
+    distributed); GPTQ then quantizes with it."""
+    search = MixedPrecisionSearch(candidates=(2, 4, 8), group_size=32, method="rtn", probe_samples=1, probe_tokens=32)
+    return search.run(build_model("llama"), calib_ids()[:4], Budget(avg_bits=4.5), progress=False).plan
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the quantized model: codes, scales, zero points, and the float weights smoothing changed."""
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}  # tied ones apart
 
 
 def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.contiguous() for k, v in model.state_dict().items()
-            if k.endswith(("qweight", "scales", "zeros"))}
+    return {k: v for k, v in model_state(model).items() if k.endswith(("qweight", "scales", "zeros"))}
 
 
 def _join(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), LLMEASYQUANT_KERNEL_CHOICE="first")  # as the test process evaluates
     torch.set_num_threads(1)
     distributed.init("gloo", timeout_s)
 
 
-def quantize_worker(rank: int, world: int, port: int, out: str, method: str) -> None:
+def quantize_worker(rank: int, world: int, port: int, out: str, *methods: str) -> None:
+    """Quantize with each of `methods` in turn; per method, the model's tensors and a JSON record (block reports and
+    evaluation metrics) go to out/rank{R}-{method}.*"""
     _join(rank, world, port)
     try:
-        model = lq.quantize(build_model("llama"), recipe(method), scheme(method), calib=calib_ids(), progress=False)
-        save_file(quantized_state(model), str(Path(out) / f"rank{rank}.safetensors"))
-        reports = [{"error": r.output_rel_error, "sent": r.sent_bytes} for r in model.llmeasyquant.blocks]
-        metrics = evaluate_windows({"model": model}, eval_windows(), progress=False)["model"]
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"blocks": reports, "metrics": metrics}))
+        for method in methods:
+            model = lq.quantize(build_model("llama"), recipe(method), scheme(method, out), calib=calib_ids(),
+                                progress=False)
+            save_file(model_state(model), str(Path(out) / f"rank{rank}-{method}.safetensors"))
+            reports = [{"error": r.output_rel_error, "sent": r.sent_bytes, "choices": r.choices}
+                       for r in model.llmeasyquant.blocks]
+            metrics = evaluate_windows({"model": model}, eval_windows(), progress=False)["model"]
+            Path(out, f"rank{rank}-{method}.json").write_text(json.dumps({"blocks": reports, "metrics": metrics}))
     except lq.LLMEasyQuantError as exc:
         Path(out, f"rank{rank}.error").write_text(str(exc))
     finally:

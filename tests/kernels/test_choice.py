@@ -102,3 +102,21 @@ def test_fixed_order_and_bad_setting(monkeypatch):
     monkeypatch.setenv("LLMEASYQUANT_KERNEL_CHOICE", "fastest")
     with pytest.raises(ConfigError, match="LLMEASYQUANT_KERNEL_CHOICE='fastest'"):
         layer("w8a16").kernel(1)
+
+
+def test_pinned_choice_is_fixed_and_kept_apart(monkeypatch):
+    """Calibration pins kernels: nothing is measured, a weight-only layer runs the reference (the oracle), a layer
+    with integer activations the first kernel; outside, the layer's measured choice is untouched."""
+    monkeypatch.setattr(choice, "_seconds", lambda target, kernel, x: {INT8PACK: 1.0, REFERENCE: 2.0}[kernel.name])
+    weight_only, integer = layer("w8a16"), layer("w8a8")
+    assert weight_only.kernel(512).name == INT8PACK  # measured: the (fake) faster one
+    monkeypatch.setattr(choice, "_seconds", lambda *_: pytest.fail("a pinned kernel must not be measured"))
+    with choice.pinned():
+        assert choice.is_pinned()
+        assert weight_only.kernel(512).name == REFERENCE
+        assert integer.kernel(512).name == INT_MM
+        x = torch.randn(512, 576)
+        assert torch.equal(weight_only(x), x @ weight_only.dequantize().t())
+    assert not choice.is_pinned()
+    assert weight_only.kernel(512).name == INT8PACK
+    assert weight_only.chosen_kernels() == {512: INT8PACK}

@@ -10,7 +10,7 @@ import torch
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids
 from llmeasyquant.cli import main
-from llmeasyquant.methods.gptq import gptq_solve
+from llmeasyquant.methods.gptq import gptq_solve, inverse_factor
 from llmeasyquant.primitives import choose_qparams, dequantize, qrange, quantize
 from llmeasyquant.texts import shipped_bytes
 
@@ -140,3 +140,19 @@ def test_gptq_on_a_grid_beats_rtn_on_the_same_grid(scheme, act_order):
     assert err_gptq < 0.9 * err_rtn, (float(err_gptq), float(err_rtn))
     again, _ = gptq_solve(weight, hessian, s, block_size=32, act_order=act_order)
     assert torch.equal(again, codes)
+
+
+def test_inverse_factor_is_the_upper_factor_of_the_inverse_on_fixed_threads():
+    x = torch.randn(256, 48, generator=torch.Generator().manual_seed(5))
+    h = x.t() @ x + torch.eye(48)
+    before = torch.get_num_threads()
+    factor = inverse_factor(h)
+    assert torch.get_num_threads() == before  # the process's thread count is given back
+    assert factor.dtype == torch.float32 and torch.equal(torch.triu(factor), factor)
+    torch.testing.assert_close(factor.double().t() @ factor.double(), torch.linalg.inv(h.double()),
+                               rtol=1e-4, atol=1e-7)
+    torch.set_num_threads(2 if before == 1 else 1)
+    try:
+        assert torch.equal(inverse_factor(h), factor)  # whatever the caller's thread count
+    finally:
+        torch.set_num_threads(before)

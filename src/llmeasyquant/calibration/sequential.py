@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from llmeasyquant.calibration.shared_solves import apply_shared
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.infra import distributed
+from llmeasyquant.kernels import choice
 from llmeasyquant.methods.base import BlockContext, Method, Quantizer
 from llmeasyquant.methods.stats import calibrate_static_inputs, collect_input_stats, relative_error, run_block
 from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
@@ -81,7 +82,16 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
                    calib: torch.Tensor | None = None, progress: bool = True,
                    stream: BlockStreamer | None = None) -> list[BlockReport]:
     """Apply `recipe` to every block in order. `calib` holds token ids [samples, seqlen] when any method needs it;
-    `stream` reads each block's weights just before its turn (a model loaded by `load_model_streamed`)."""
+    `stream` reads each block's weights just before its turn (a model loaded by `load_model_streamed`).
+
+    Quantized layers run on fixed kernels meanwhile (kernels/choice.py's `pinned`): a block's outputs feed the next
+    block's statistics, and must not depend on which kernel a timing in this process happened to favour."""
+    with choice.pinned():
+        return _run_sequential(model, recipe, plan, calib, progress, stream)
+
+
+def _run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, QuantScheme],
+                    calib: torch.Tensor | None, progress: bool, stream: BlockStreamer | None) -> list[BlockReport]:
     arch = arch_for(model)
     if arch.experts is not None and distributed.active():
         raise ConfigError(f"{arch.family} routes each token to some of its experts, differently on each rank, which "
@@ -95,12 +105,13 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     # The first pass gathers every statistic the recipe reads: a transform that keeps them exact (smoothing)
     # hands them on, so the quantizer after it needs no pass of its own; static activation scales read the ranges.
     first_pass_stats = frozenset().union(*(m.input_stats for m in recipe), {"range"} if static else set())
-    inputs = kwargs = float_inputs = None
-    if calib is not None and distributed.active():
-        if calib.shape[0] < distributed.world():
+    inputs = kwargs = float_inputs = sample_ids = None
+    if calib is not None:
+        if distributed.active() and calib.shape[0] < distributed.world():
             raise ConfigError(f"{calib.shape[0]} calibration samples cannot be shared out over {distributed.world()} "
                               "ranks: give at least one sample per rank (--calib-samples)")
-        calib = calib[distributed.shard(calib.shape[0])]  # this rank's batches; statistics are summed over ranks
+        sample_ids = distributed.shard(calib.shape[0])  # all of them in one process
+        calib = calib[sample_ids]  # this rank's batches; statistics are summed (exactly) over ranks
     if calib is not None:
         inputs, kwargs = capture_block_inputs(model, calib)
         if any(m.float_path for m in recipe):
@@ -113,7 +124,7 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
         block = blocks[index]
         sent_before = distributed.sent_bytes()
         ctx = BlockContext(index=index, prefix=f"{arch.blocks}.{index}.", plan=per_block[index], arch=arch,
-                           inputs=inputs, kwargs=kwargs)
+                           inputs=inputs, kwargs=kwargs, sample_ids=sample_ids)
         reference = None
         first_tokens: dict[str, int] = {}
         if inputs is not None:

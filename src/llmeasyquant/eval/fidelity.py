@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 def kl_sum(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> float:
-    """Sum over positions of KL(P_ref || P) for log-probabilities [positions, vocab]."""
-    return float((ref_logprobs.exp() * (ref_logprobs - logprobs)).sum())
+    """Sum over positions of KL(P_ref || P) for log-probabilities [positions, vocab]: per position (a reduction along
+    the vocabulary, the same at any thread count), then math.fsum over positions (a whole-tensor sum is split by
+    thread count, and one process and the ranks of a distributed evaluation must agree)."""
+    return math.fsum((ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1).tolist())
 
 
 def top1_matches(ref_logits: torch.Tensor, logits: torch.Tensor) -> int:

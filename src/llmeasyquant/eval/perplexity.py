@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from llmeasyquant.calibration.data import TextSource, consecutive_chunks, tokenize
 from llmeasyquant.eval.fidelity import kl_sum, top1_matches
 from llmeasyquant.infra import distributed
+from llmeasyquant.infra.exact_sum import exact_totals
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class _Totals:
     tokens: int = 0
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    windows: list[tuple[float, float]] = field(default_factory=list)  # (NLL, KL) of each window, summed exactly
 
 
 CacheFactory = Callable[[], object]  # a fresh transformers Cache per window
@@ -103,17 +105,21 @@ def evaluate_windows(models: dict[str, nn.Module], windows: EvalWindows, referen
                 logprobs = torch.log_softmax(logits, dim=-1)
                 totals[name].seconds += seconds
             t = totals[name]
-            t.nll -= float(logprobs.gather(-1, targets[:, None]).sum())
+            nll = -math.fsum(logprobs.gather(-1, targets[:, None]).flatten().tolist())
+            kl = kl_sum(ref_logprobs, logprobs) if ref_logprobs is not None else 0.0
+            t.windows.append((nll, kl))
+            t.nll += nll  # the running figure shown in progress; the result is the exact sum below
             t.tokens += targets.numel()
             if ref_logprobs is not None:
-                t.kl += kl_sum(ref_logprobs, logprobs)
                 t.top1 += top1_matches(ref_logits, logits)
         if reference is None and len(models) == 1:
             only = next(iter(totals.values()))
             bar.set_postfix(ppl=f"{math.exp(only.nll / only.tokens):.3f}")
     for t in totals.values():
-        t.nll, t.kl, top1, tokens = distributed.all_reduce_floats([t.nll, t.kl, t.top1, t.tokens])
-        t.top1, t.tokens = int(top1), int(tokens)
+        # Exact sums over windows (and ranks): the same bits whichever rank evaluated which window.
+        t.nll, t.kl = exact_totals(t.windows, 2)
+        counts = distributed.all_reduce(torch.tensor([t.top1, t.tokens], dtype=torch.int64)).tolist()
+        t.top1, t.tokens = int(counts[0]), int(counts[1])
         t.seconds = float(distributed.all_reduce(torch.tensor(t.seconds, dtype=torch.float64), "max"))
     results = {}
     for name, t in totals.items():

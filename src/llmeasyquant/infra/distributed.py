@@ -124,13 +124,6 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return work.to(tensor.device)
 
 
-def all_reduce_floats(values: Sequence[float]) -> list[float]:
-    """Sums of Python floats over all ranks, in float64."""
-    if not active():
-        return list(values)
-    return all_reduce(torch.tensor(list(values), dtype=torch.float64)).tolist()
-
-
 def broadcast_(tensor: torch.Tensor, src: int) -> None:
     """Overwrite `tensor` on every rank with rank `src`'s."""
     if not active():

@@ -61,6 +61,8 @@ def select(layer: KernelLayer, rows: int = 1) -> Any:
         return kernel
     found = candidates(layer)
     if found:
+        if choice.is_pinned():  # calibration: the same kernel in every process, whatever the timings
+            return REFERENCE if REFERENCE in found else found[0]
         return found[0] if choice.mode() == "first" else choice.choose(layer, found, rows)
     log.debug("no integer kernel for %s (in=%d) on %s; using the reference kernel",
               layer.scheme.name, layer.in_features, layer.qweight.device.type)

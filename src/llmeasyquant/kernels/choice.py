@@ -12,15 +12,22 @@ never fast.
 
 `LLMEASYQUANT_KERNEL_CHOICE=first` turns the measurement off: the first supporting kernel in the registry's order,
 for every row count (reproducible across machines; the tests use it).
+
+Inside `pinned()` (calibration) nothing is measured either: a quantized block's outputs feed the next block's
+statistics, so which kernel won a timing race in this process must not change the codes of the next block (nor
+differ between one process and the ranks of a distributed run). The registry then picks the reference for a
+weight-only layer (dequantize, fp32 GEMM: the oracle, and the fastest at calibration's hundreds of rows) and the
+first supporting kernel otherwise (integer kernels with activations give the reference's bits by construction).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +38,7 @@ ROW_BUCKETS = (1, 16, 128, 512)  # rows timed for each bucket; a call uses the s
 MODES = ("measured", "first")
 Timer = Callable[[Any, Any, torch.Tensor], float]
 _CHOSEN: dict[tuple, str] = {}
+_PINNED = [0]  # how many `pinned()` blocks are open (nested ones allowed)
 
 
 def row_bucket(rows: int) -> int:
@@ -59,6 +67,20 @@ def _seconds(layer, kernel, x: torch.Tensor, repeats: int = 3) -> float:
         kernel.run(layer, x, prepared)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[None]:
+    """Inside: the kernel for a layer is fixed, not measured (see the module's docstring)."""
+    _PINNED[0] += 1
+    try:
+        yield
+    finally:
+        _PINNED[0] -= 1
+
+
+def is_pinned() -> bool:
+    return _PINNED[0] > 0
 
 
 def choose(layer, candidates: list[Any], rows: int, timer: Timer | None = None) -> Any:

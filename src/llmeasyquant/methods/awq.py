@@ -11,6 +11,7 @@ The weights stay float; the quantizer that follows (RTN, or GPTQ) rounds them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -84,10 +85,13 @@ def _cost(block: nn.Module, names: list[str]) -> float:
                      for n in names))
 
 
-def output_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """‖X (W - Ŵ)ᵀ‖² up to the constant of H, from the Gram matrix H [in, in]."""
+def output_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> float:
+    """‖X (W - Ŵ)ᵀ‖² up to the constant of H, from the Gram matrix H [in, in].
+
+    Row by row (a reduction along the last axis), then math.fsum: a whole-tensor sum is split by thread count, and
+    the search's argmin must not depend on how many threads the rank that runs it has."""
     delta = weight - approx
-    return ((delta @ h) * delta).sum()
+    return math.fsum(((delta @ h) * delta).sum(-1).tolist())
 
 
 def _rounded(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -104,7 +108,7 @@ def search_scales(weights: dict[str, torch.Tensor], h: torch.Tensor, schemes: di
         ratio = step / grid
         s = magnitude.pow(ratio)
         s = s / (s.max() * s.min()).sqrt()  # centred in log space so that weights and inputs share the change
-        err = sum(output_error(w, _rounded(w * s, schemes[n]) / s, h) for n, w in weights.items())
+        err = math.fsum(output_error(w, _rounded(w * s, schemes[n]) / s, h) for n, w in weights.items())
         if best_err is None or err < best_err:
             best, best_err = s, err
     return best

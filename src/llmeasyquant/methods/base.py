@@ -39,6 +39,9 @@ class BlockContext:
     # it; None when no method of the recipe needs calibration.
     inputs: list[torch.Tensor] | None = None
     kwargs: list[dict[str, Any]] | None = None
+    # The index of each of `inputs` among all the calibration samples (under torch.distributed a rank holds a
+    # share): a method that uses some of the samples picks them by these, so every rank count picks the same ones.
+    sample_ids: list[int] | None = None
     stats: dict[str, float] = field(default_factory=dict)  # what the method wants shown in progress
     # Statistics of the block's inputs under its current weights; a method that changes weights resets it to None.
     input_stats: InputStats | None = None

@@ -59,6 +59,28 @@ class GPTQ(Quantizer):
             set_module(block, rel_name, carry_input_transform(module, layer))
 
 
+FACTOR_THREADS = 1  # LAPACK's threads for H⁻¹'s factor: fixed, so the bits do not depend on the process's count
+
+
+def inverse_factor(h: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor of H⁻¹ [in, in], fp32, the same bits in every process.
+
+    Factored in fp64, then rounded to fp32, on FACTOR_THREADS threads whatever the process runs: LAPACK's fp64 result
+    depends on the thread count in its last bits, a last bit can cross an fp32 rounding boundary (1 entry in 10⁶ at
+    1536 columns, 1 against 4 or 16 threads), and GPTQ's error feedback carries it into other codes, so one process
+    and the single-threaded ranks torchrun starts would differ. Cost: 0.16 s instead of 0.03 s at 1536 columns on a
+    16-core machine (docs/distributed.md)."""
+    before = torch.get_num_threads()
+    if before != FACTOR_THREADS:
+        torch.set_num_threads(FACTOR_THREADS)
+    try:
+        h64 = h.double()
+        return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h64)), upper=True).float()
+    finally:
+        if before != FACTOR_THREADS:
+            torch.set_num_threads(before)
+
+
 def _group_params(weight: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor | None = None) -> QParams:
     return choose_qparams(weight, scheme.bits, scheme.symmetric, scheme.granularity, grid=scheme.grid,
                           importance=importance)
@@ -86,9 +108,7 @@ def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(cols)
     w, h = w[:, perm], h[perm][:, perm]
     h += torch.eye(cols) * damp * torch.mean(torch.diag(h))
-    # The inverse's Cholesky factor in fp64, then fp32: LAPACK's result depends on the thread count in the last
-    # bits, and GPTQ's error feedback would carry such bits into other codes (one process against distributed ranks).
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h.double())), upper=True).float()
+    hinv = inverse_factor(h)
     codes = torch.zeros(rows, cols)
     scales = torch.zeros(rows, -(-cols // width))
     zeros = None if scheme.symmetric else torch.zeros_like(scales, dtype=torch.int32)

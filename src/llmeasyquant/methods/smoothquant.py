@@ -73,10 +73,13 @@ class SmoothQuant(Transform):
         ctx.input_stats = smooth(block, pairs, stats, alpha, ctx.arch)
 
     def _search_alpha(self, block: nn.Module, ctx: BlockContext, pairs: Pairs, stats: InputStats) -> float:
-        """Try each alpha on a copy of the block, rounded to nearest with the block's schemes."""
-        n = min(self.search_samples, len(ctx.inputs))
-        inputs, kwargs = ctx.inputs[:n], ctx.kwargs[:n]
-        reference = ctx.reference_outputs[:n] if ctx.reference_outputs else run_block(block, inputs, kwargs)
+        """Try each alpha on a copy of the block, rounded to nearest with the block's schemes, on the first
+        `search_samples` calibration samples of all (those of them this rank holds, under torch.distributed)."""
+        ids = ctx.sample_ids if ctx.sample_ids is not None else list(range(len(ctx.inputs)))
+        chosen = [i for i, sample in enumerate(ids) if sample < self.search_samples]
+        inputs, kwargs = [ctx.inputs[i] for i in chosen], [ctx.kwargs[i] for i in chosen]
+        reference = ([ctx.reference_outputs[i] for i in chosen] if ctx.reference_outputs
+                     else run_block(block, inputs, kwargs))
         errors = {}
         for alpha in self.alpha_grid:
             trial = copy.deepcopy(block)

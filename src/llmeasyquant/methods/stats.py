@@ -11,6 +11,7 @@ read too few, see methods/base.py `short_of_tokens`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.infra import distributed
+from llmeasyquant.infra.exact_sum import ExactSum, exact_totals
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.nn.transform import transformed_input
 
@@ -26,7 +28,7 @@ STATS = frozenset({"hessian", "range"})
 
 @dataclass
 class InputStats:
-    hessian: dict[str, torch.Tensor]  # H = 2/n · Σ x xᵀ [in, in] fp32 (summed in fp64) over every calibration token
+    hessian: dict[str, torch.Tensor]  # H = 2/n · Σ x xᵀ [in, in] fp32 over every calibration token (an exact sum)
     lo: dict[str, torch.Tensor]  # min x per input channel [in]
     hi: dict[str, torch.Tensor]  # max x per input channel [in]
     kinds: frozenset[str] = STATS  # which of the two were collected
@@ -81,11 +83,19 @@ def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) 
 
 
 def relative_error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    """||outputs - reference|| / ||reference|| over all batches (of every rank, under torch.distributed)."""
-    num = sum(float((q - r).float().pow(2).sum()) for q, r in zip(outputs, reference, strict=True))
-    den = sum(float(r.float().pow(2).sum()) for r in reference)
-    num, den = distributed.all_reduce_floats([num, den])
+    """||outputs - reference|| / ||reference|| over all batches (of every rank, under torch.distributed).
+
+    Each batch's two sums go row by row (a reduction along the last axis, the same at any thread count) into
+    math.fsum, and the batches into exact sums: the same bits whichever rank held which batch, so a search that
+    compares such errors (SmoothQuant's alpha) chooses the same on one process and on several ranks."""
+    terms = [(_square_sum(q.double() - r.double()), _square_sum(r.double()))
+             for q, r in zip(outputs, reference, strict=True)]
+    num, den = exact_totals(terms, 2)
     return (num / den) ** 0.5 if den > 0 else 0.0
+
+
+def _square_sum(x: torch.Tensor) -> float:
+    return math.fsum(x.pow(2).sum(-1).flatten().tolist())
 
 
 @torch.no_grad()
@@ -98,7 +108,7 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     pay for it; the others come back empty. Names starting with one of the `routed` prefixes (a mixture of experts'
     experts) may read no token: they get a count of 0 and no statistics; any other name that reads none is an
     error."""
-    sums: dict[str, torch.Tensor] = {}
+    sums: dict[str, ExactSum] = {}
     lo: dict[str, torch.Tensor] = {}
     hi: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
@@ -117,9 +127,11 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
             seen_this_pass.append((x, name))
             flat = transformed_input(module, x).reshape(-1, x.shape[-1]).float()  # [tokens, in], as W reads it
             if "hessian" in want:
-                # Each batch's product in fp32, the running sum in fp64: the sum's order (batch by batch here,
-                # partial sums across ranks under torch.distributed) then changes no fp32 entry of H in practice.
-                sums[name] = sums.get(name, 0) + (flat.t() @ flat).double()
+                # Each batch's product alone (in fp32, the same on whichever rank holds the batch), summed exactly:
+                # the order of the batches, and how they are split over ranks, changes no bit of H.
+                if name not in sums:
+                    sums[name] = ExactSum((flat.shape[1], flat.shape[1]))
+                sums[name].add(flat.t() @ flat)
             if "range" in want:
                 low, high = flat.amin(dim=0), flat.amax(dim=0)
                 lo[name] = torch.minimum(lo[name], low) if name in lo else low
@@ -143,14 +155,15 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     if missing:
         raise RuntimeError(f"no calibration input reached {missing}; the block's forward never called them")
     # Under torch.distributed each rank saw its share of the batches: sum the statistics over ranks (in the order
-    # the hooks fired, which every rank shares) so that all of them hold the statistics of all the data.
+    # the hooks fired, which every rank shares) so that all of them hold the statistics of all the data. Counts
+    # are integers, minima and maxima exact, and the Gram sums exact: the result is the single process's, bit for bit.
     for name in counts:
         counts[name] = int(distributed.all_reduce(torch.tensor(counts[name], dtype=torch.int64)))
         if name in sums:
-            sums[name] = distributed.all_reduce(sums[name])
+            sums[name].all_reduce()
         if name in lo:
             lo[name], hi[name] = distributed.all_reduce(lo[name], "min"), distributed.all_reduce(hi[name], "max")
-    hessian = {name: (2 * sums[name] / counts[name]).float() for name in sums}
+    hessian = {name: (2 * sums[name].value() / counts[name]).float() for name in sums}
     for name, owner in alias.items():
         if owner in hessian:
             hessian[name] = hessian[owner]

@@ -12,7 +12,7 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.grid import LEVELS, grid_levels
-from llmeasyquant.kernels.choice import row_bucket
+from llmeasyquant.kernels.choice import is_pinned, row_bucket
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, scope
 from llmeasyquant.nn.observers import ema_step, observed_extremes
 from llmeasyquant.primitives import (
@@ -112,7 +112,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_range", torch.full((2,), float("nan")) if online else None)
         self.observing = False  # True while static input ranges are being measured: scales come from x itself
         self.kernel_name: str | None = None  # force one kernel (tests, benchmarks); None = registry's choice
-        self._kernels: dict[tuple[int, int], Any] = {}  # (row bucket, threads) -> the kernel chosen for it
+        self._kernels: dict[tuple[int, int, bool], Any] = {}  # (row bucket, threads, pinned) -> its kernel
         self._prepared: dict[str, Any] = {}  # kernel name -> what it prepared from the buffers
         self.shared: tuple[Any, int] | None = None  # (nn.fused.SharedInputCall, my index) when fused
         self.profile_name = "linear"  # the name of this layer's profiler scope (eval/speed.py sets it)
@@ -244,7 +244,8 @@ class QuantLinear(nn.Module):
 
     def kernel(self, rows: int = 1) -> Any:
         """The kernel that runs inputs of `rows` rows (chosen on first use of its row bucket), prepared."""
-        key = (row_bucket(rows), torch.get_num_threads())  # the fastest kernel depends on both
+        # The fastest kernel depends on rows and threads; calibration pins one (kernels/choice.py's `pinned`).
+        key = (row_bucket(rows), torch.get_num_threads(), is_pinned())
         kernel = self._kernels.get(key)
         if kernel is None:
             from llmeasyquant.kernels import select
@@ -256,7 +257,8 @@ class QuantLinear(nn.Module):
     def chosen_kernels(self) -> dict[int, str]:
         """Row bucket -> name of the kernel chosen for it at the current thread count, for the buckets used so far."""
         threads = torch.get_num_threads()
-        return {rows: kernel.name for (rows, at), kernel in sorted(self._kernels.items()) if at == threads}
+        return {rows: kernel.name for (rows, at, pinned), kernel in sorted(self._kernels.items())
+                if at == threads and not pinned}
 
     def prepared_for(self, kernel: Any) -> Any:
         """What `kernel` prepares from the buffers (repacked weights, scales), made once and kept."""
