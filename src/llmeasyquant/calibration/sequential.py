@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ class BlockReport:
     output_rel_error: float | None  # ||quantized - float|| / ||float|| on the calibration inputs, when given
     choices: dict[str, float] = field(default_factory=dict)  # what the methods chose here, e.g. SmoothQuant's alpha
     sent_bytes: int = 0  # what this rank put into collectives for this block (0 in a single process)
+    seconds: float = 0.0  # wall time of this block: reading (when streamed), the recipe, its outputs, writing
 
 
 @torch.no_grad()
@@ -101,6 +103,7 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     reports = []
     bar = tqdm(range(len(blocks)), desc="quantizing blocks", unit="block", disable=not progress)
     for index in bar:
+        block_start = time.perf_counter()
         if stream is not None:
             stream.load_block(index)
         block = blocks[index]
@@ -128,7 +131,12 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
             float_inputs = ctx.float_outputs
             error = relative_error(inputs, reference)
             bar.set_postfix(out_err=f"{error:.4f}", **{k: f"{v:.3g}" for k, v in ctx.stats.items()})
+        ctx_stats = dict(ctx.stats)
+        del ctx, reference  # the block's statistics (GPTQ's Hessians) go before the next block is read
+        if stream is not None:
+            stream.finish_block(index, block)  # with a sink: written out, then released
         reports.append(BlockReport(index=index, layers=len(per_block[index]), output_rel_error=error,
-                                   choices=dict(ctx.stats), sent_bytes=distributed.sent_bytes() - sent_before))
+                                   choices=ctx_stats, sent_bytes=distributed.sent_bytes() - sent_before,
+                                   seconds=time.perf_counter() - block_start))
         log.debug("block %d: %d layers quantized, output error %s", index, len(per_block[index]), error)
     return reports
