@@ -61,12 +61,19 @@ def storable(items: Iterable[tuple[str, torch.Tensor]], float_dtype: torch.dtype
                 and not name.endswith(FULL_PRECISION_STATE)):
             cast = tensor.to(float_dtype)
             # A tensor that overflows the storage type stays as it is (quantize() kept it in fp32 on purpose).
-            if torch.isfinite(cast).all() or not torch.isfinite(tensor).all():
+            if _all_finite(cast) or not _all_finite(tensor):
                 tensor = cast
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()  # a view into a larger buffer (fused layers): safetensors stores whole tensors
         tensors[name] = tensor.detach().contiguous()
     return tensors, aliases
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """torch.isfinite(t).all(), a chunk at a time: on a whole 128k x 4k embedding the check's temporaries are
+    larger than the tensor."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
 
 
 def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None, force: bool = False) -> Path:

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 import torch
+from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
@@ -86,24 +87,33 @@ class ShardedWriter:
 
     def finish(self, model: nn.Module, stream: BlockStreamer, tokenizer: object | None) -> None:
         """Write what lies outside the blocks (tensors still on the meta device come from the source folder), the
-        index and the settings files."""
+        index and the settings files. The model's tensors outside the blocks are released as they are written:
+        the model is left a shell (its quantization info and layer shapes), the checkpoint is the model."""
         self._flush()  # the blocks' shards first: what follows is the largest of the tensors
         blocks = stream.prefix
+        entries = [(n, t) for n, t in model.state_dict(keep_vars=True).items() if not n.startswith(blocks)]
         aliases: dict[str, str] = {}
         seen: dict[tuple, str] = {}
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if name.startswith(blocks):
-                continue
-            if tensor.is_meta:  # never read (an untied LM head): copied from the folder
-                tensor = stream.read_tensor(name)
-            else:  # tied tensors are stored once, as storable does for a whole state dict
+        for name, tensor in entries:  # tied tensors are stored once, as storable does for a whole state dict
+            if not tensor.is_meta:
                 key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
                 if key in seen:
                     aliases[name] = seen[key]
-                    continue
-                seen[key] = name
-            self._add(storable([(name, tensor.detach())], self.float_dtype)[0])  # one at a time: cast, then out
+                seen.setdefault(key, name)
+        names = [n for n, _ in entries]
+        del entries, seen  # from here the model alone holds its tensors, so releasing them frees them
+        for name in names:  # one at a time: cast, written, released
+            if name in aliases:
+                continue
+            tensor = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+            value = stream.read_tensor(name) if tensor.is_meta else tensor.detach()  # meta: never read (a head)
             del tensor
+            self._add(storable([(name, value)], self.float_dtype)[0])
+            del value
+            # The model is a shell once written (its info and layer shapes are what is used after): the embeddings
+            # and whatever shares them go, before the next large tensor is read.
+            for released in [name] + [alias for alias, kept in aliases.items() if kept == name]:
+                set_module_tensor_to_device(model, released, "meta")
         self._flush()
         count, weight_map = len(self.shards), {}
         for index, names in enumerate(self.shards):
