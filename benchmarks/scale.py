@@ -2,16 +2,16 @@
 (benchmarks/make_synthetic.py), one subprocess per configuration, its peak RSS measured by the kernel.
 
     python benchmarks/scale.py DIR [--configs rtn,gptq,awq] [--calib-samples 16] [--calib-seqlen 512]
-        [--eval] [--work DIR] [--out benchmarks/results/scale.json]
+        [--load] [--work DIR] [--out benchmarks/results/scale.json]
 
 For each configuration (W4A16 g128 with the method named) the quantize CLI runs in a child process with
 `--stream --estimate`: it times the first one and two blocks, logs the estimate, then quantizes every block and
 writes the sharded checkpoint. The child's peak resident set size comes from wait4()'s rusage (ru_maxrss: the
 largest RSS the process ever had, file pages it touched included); the times per block, the quantization time and
-the estimate come from the record the CLI writes. `--eval` then loads each checkpoint in `llmeasyquant eval` (one
-128-token window) and records that child's peak RSS too. Checkpoints go to --work (default: a temporary folder)
-and are deleted after. Records are merged into --out by (model, method): the name of DIR and its shape stand for
-the model, so no absolute path is recorded.
+the estimate come from the record the CLI writes. `--load` then loads each checkpoint with
+export/checkpoint.load (what `eval`, `bench` and `serve` do first) in another child and records its peak RSS and
+time. Checkpoints go to --work (default: a temporary folder) and are deleted after. Records are merged into --out
+by (model, method): the name of DIR and its shape stand for the model, so no absolute path is recorded.
 """
 
 from __future__ import annotations
@@ -56,12 +56,10 @@ def measure(folder: Path, method: str, args: argparse.Namespace, work: Path) -> 
     config = json.loads((folder / "config.json").read_text())
     metrics = dict(quantized.metrics) | {"peak_rss_gb": rss, "wall_s": wall}
     metrics["estimate_error"] = metrics["estimate_s"] / metrics["quantize_s"] - 1
-    if args.eval:
-        code, rss, wall = run_measured([sys.executable, "-m", "llmeasyquant.cli", "--quiet", "eval", str(out),
-                                        "--max-windows", "1", "--seqlen", "128"], work / f"{folder.name}-eval.log")
-        if code != 0:
-            raise SystemExit(f"eval of the {method} checkpoint failed (exit {code})")
-        metrics |= {"eval_peak_rss_gb": rss, "eval_wall_s": wall}
+    if args.load:  # the loader alone: what eval, bench and serve do first (their own work comes on top)
+        code, rss, wall = run_measured([sys.executable, "-c", "import sys; from llmeasyquant.export.checkpoint import "
+                                        "load; load(sys.argv[1])", str(out)], work / f"{folder.name}-load.log")
+        metrics |= {"load_peak_rss_gb": rss, "load_s": wall} if code == 0 else {"load_exit": code}
     shutil.rmtree(out, ignore_errors=True)
     protocol = {"method": method, "scheme": "w4a16-g128", "stream": True, "calib": "wikitext2" if calib else None,
                 "calib_samples": args.calib_samples if calib else 0, "calib_seqlen": args.calib_seqlen if calib else 0,
@@ -79,7 +77,8 @@ def main() -> int:
     parser.add_argument("--configs", default="rtn,gptq,awq", help="methods, comma-separated (default rtn,gptq,awq)")
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--calib-seqlen", type=int, default=512)
-    parser.add_argument("--eval", action="store_true", help="also load each checkpoint in `eval` (peak RSS)")
+    parser.add_argument("--load", action="store_true", help="also load each checkpoint (export/checkpoint.load, "
+                        "as eval and bench do) in a child process and record its peak RSS")
     parser.add_argument("--work", type=Path, help="where checkpoints and logs go (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/scale.json"))
     args = parser.parse_args()
@@ -94,7 +93,7 @@ def main() -> int:
         print(f"{record.model} {method}: peak RSS {m['peak_rss_gb']:.2f} GB, {m['blocks']} blocks, median "
               f"{m['block_s_median']:.1f} s per block, quantized in {m['quantize_s']:.0f} s (estimate "
               f"{m['estimate_s']:.0f} s, {100 * m['estimate_error']:+.0f}%), wall {m['wall_s']:.0f} s"
-              + (f"; eval load peak RSS {m['eval_peak_rss_gb']:.2f} GB" if "eval_peak_rss_gb" in m else ""))
+              + (f"; load peak RSS {m['load_peak_rss_gb']:.2f} GB" if "load_peak_rss_gb" in m else ""))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0
