@@ -14,7 +14,7 @@ from torch import nn
 from llmeasyquant.calibration.sequential import BlockReport, run_sequential
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import CacheMethod, Method, ModelTransform, Quantizer, Step, Transform, rtn_quant_linear
-from llmeasyquant.models.arch import arch_for, get_module, set_module
+from llmeasyquant.models.arch import arch_for, get_module, linear_weight, set_module
 from llmeasyquant.models.experts import unfuse_experts
 from llmeasyquant.models.streaming import BlockStreamer
 from llmeasyquant.nn.kv.cache import KVCacheSpec
@@ -100,7 +100,9 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
     `recipe` is a method or a list (transforms, then one quantizer, and optionally SimQuant for the KV cache);
     `plan` a Plan or one scheme for every linear layer in the blocks (None: the recipe's default scheme); `calib`
     token ids [samples, seqlen] for methods that need calibration (SimQuant without it tracks key ranges online).
-    `stream` (from `load_model_streamed`) reads each block's weights only when its turn comes.
+    `stream` (from `load_model_streamed`) reads each block's weights only when its turn comes; a stream with a sink
+    hands each quantized block to it and releases it, and leaves what stays float outside the blocks unrounded
+    (the writer casts it), so the model in memory is then only a shell of the checkpoint written.
     """
     recipe = [recipe] if not isinstance(recipe, Sequence) else list(recipe)
     recipe, kv_method = _split_recipe(recipe)
@@ -118,6 +120,10 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
     resolved = plan.resolve(model)
     if not resolved:
         raise ConfigError("the plan selects no linear layer of this model; check its patterns")
+    hollow = stream is not None and stream.sink is not None  # blocks go to disk as they finish
+    if hollow and kv_method is not None:
+        raise ConfigError(f"{kv_method.name} calibrates the KV cache on the whole quantized model, which a streamed "
+                          "write never holds; quantize without --stream, or without the KV-cache method")
     start = time.perf_counter()
     for step in recipe:  # whole-model rewrites (a rotation) come before any block is calibrated
         if isinstance(step, ModelTransform):
@@ -132,14 +138,18 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
     # Layers outside the blocks (an LM head a rule names) are rounded to nearest: no block sees them.
     for name, scheme in resolved.items():
         if not name.startswith(arch.blocks + "."):
+            if hollow and linear_weight(get_module(model, name)).is_meta:
+                stream.load_module(name)  # left unread until now
             module = get_module(model, name)
+            if hollow:
+                module.float()  # an embedding tied head is kept in 16 bits; the rounding reads the fp32 values
             if name == arch.lm_head and getattr(model.config, "tie_word_embeddings", False):
                 model.config.tie_word_embeddings = False  # the head gets its own integer copy
             if scheme.static_act:
                 raise ConfigError(f"{name} lies outside the transformer blocks, where no calibration input is "
                                   "captured: give it dynamic activations (or leave it unquantized)")
             set_module(model, name, rtn_quant_linear(module, scheme, name))
-    if not keep_fp32:
+    if not keep_fp32 and not hollow:  # a streamed write casts as it writes: the model in memory is hollow
         round_unquantized_to_fp16(model)
     # The cache is calibrated last, on the quantized model: its keys are what the cache will hold.
     kv_cache = kv_method.calibrate(model, calib, progress) if kv_method is not None else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ class BlockReport:
     # routed to it), when calibration data was given; and what the methods did instead for layers that read too few.
     tokens: dict[str, int] = field(default_factory=dict)
     fallbacks: dict[str, list[str]] = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of this block: reading (when streamed), the recipe, its outputs, writing
 
 
 @torch.no_grad()
@@ -119,6 +121,7 @@ def _run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, 
     reports = []
     bar = tqdm(range(len(blocks)), desc="quantizing blocks", unit="block", disable=not progress)
     for index in bar:
+        block_start = time.perf_counter()
         if stream is not None:
             stream.load_block(index)
         block = blocks[index]
@@ -152,8 +155,12 @@ def _run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, 
             float_inputs = ctx.float_outputs
             error = relative_error(inputs, reference)
             bar.set_postfix(out_err=f"{error:.4f}", **{k: f"{v:.3g}" for k, v in ctx.stats.items()})
+        ctx_stats, fallbacks = dict(ctx.stats), ctx.fallbacks
+        del ctx, reference  # the block's statistics (GPTQ's Hessians) go before the next block is read
+        if stream is not None:
+            stream.finish_block(index, block)  # with a sink: written out, then released
         reports.append(BlockReport(index=index, layers=len(per_block[index]), output_rel_error=error,
-                                   choices=dict(ctx.stats), sent_bytes=distributed.sent_bytes() - sent_before,
-                                   tokens=first_tokens, fallbacks=ctx.fallbacks))
+                                   choices=ctx_stats, sent_bytes=distributed.sent_bytes() - sent_before,
+                                   tokens=first_tokens, fallbacks=fallbacks, seconds=time.perf_counter() - block_start))
         log.debug("block %d: %d layers quantized, output error %s", index, len(per_block[index]), error)
     return reports

@@ -29,7 +29,10 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
     q.add_argument("--force", action="store_true", help="replace --out if it exists")
     q.add_argument("--stream", action="store_true", help="for a Hugging Face folder: read each block's weights only "
-                   "when it is quantized, so at most two blocks' float weights are ever in memory")
+                   "when it is quantized and write it to a sharded checkpoint as soon as it is done, so memory holds "
+                   "about one block (plus the input embeddings in 16 bits), whatever the model's size")
+    q.add_argument("--estimate", action="store_true", help="with --stream: first time the first one and two blocks "
+                   "and log the estimated time of the whole run (costs about three blocks' time)")
     q.add_argument("--seed", type=int, default=0, help="seed for generated calibration text")
     q.add_argument("--json", type=Path, help="write the result record to this JSON file")
 
@@ -45,24 +48,27 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     plan = build_scheme_or_plan(args, recipe)
     kv = build_simquant(args)
     check_output(args.out, args.force)  # fail before minutes of work, not after
-    stream = None
+    if args.estimate and not args.stream:
+        raise LLMEasyQuantError("--estimate times the first blocks of a streamed run: add --stream")
+    metrics: dict = {}
     if args.stream:
-        from llmeasyquant.models.streaming import load_model_streamed
-
         if args.calib == "self":
             raise LLMEasyQuantError("--stream reads each block only when it is quantized, so the model cannot write "
                                     "its own calibration text first: pass --calib PATH")
-        model, tokenizer, stream = load_model_streamed(args.model)
+        model, folder = _quantize_streamed(args, recipe + ([kv] if kv else []), plan, metrics)
     else:
         model, tokenizer = load_model(args.model)
-    calib = build_calibration(args, recipe, model, tokenizer)
-    quantize(model, recipe + ([kv] if kv else []), plan, calib=calib, keep_fp32=args.keep_fp32,
-             progress=not args.quiet, stream=stream)
-    folder = _save_on_writer(model, args.out, tokenizer, args.force)
+        calib = build_calibration(args, recipe, model, tokenizer)
+        quantize(model, recipe + ([kv] if kv else []), plan, calib=calib, keep_fp32=args.keep_fp32,
+                 progress=not args.quiet)
+        folder = _save_on_writer(model, args.out, tokenizer, args.force)
     if folder is None:
         return  # another rank wrote it, and reports it
+    seconds = sorted(b.seconds for b in model.llmeasyquant.blocks)
     metrics = {"quantize_s": model.llmeasyquant.quantize_s, "checkpoint_bytes": checkpoint_bytes(folder),
-               "bits_per_weight": bits_per_weight(model)}
+               "bits_per_weight": bits_per_weight(model), "blocks": len(seconds),
+               "block_s_median": seconds[len(seconds) // 2] if seconds else None,
+               "block_s_max": seconds[-1] if seconds else None} | metrics
     what = plan.name if hasattr(plan, "name") else f"plan {args.plan}" if args.plan else ", ".join(
         f"{rule.pattern} {rule.scheme.name if rule.scheme else 'float'}" for rule in plan.rules)
     if kv is not None:
@@ -77,6 +83,43 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         if fallbacks:  # experts that read too few calibration tokens, and what the methods did instead
             protocol["fallbacks"] = fallbacks
         write_records(args.json, Record.new("quantize", args.model, metrics, protocol, args.command_line))
+
+
+def _quantize_streamed(args: argparse.Namespace, recipe: list, plan: object, metrics: dict
+                       ) -> tuple[torch.nn.Module, Path | None]:
+    """Quantize block by block from the folder, each block written to a sharded checkpoint as soon as it is done
+    (by rank 0; the other ranks only release theirs). Adds the estimate to `metrics` when one is asked for."""
+    from llmeasyquant import quantize
+    from llmeasyquant.export.sharded import ShardedWriter
+    from llmeasyquant.infra import distributed
+    from llmeasyquant.infra.files import staged_folder
+    from llmeasyquant.models.streaming import load_model_streamed
+
+    model, tokenizer, stream = load_model_streamed(args.model, hollow=True)
+    calib = build_calibration(args, recipe, model, tokenizer)
+    if args.estimate:
+        from llmeasyquant.jobs.estimate import quantize_seconds
+
+        metrics["estimate_s"] = quantize_seconds(model, recipe, plan, calib, stream=stream)
+        log.info("estimated quantization time: %.0f s (from the first one and two blocks timed now)",
+                 metrics["estimate_s"])
+
+    def run() -> None:
+        quantize(model, recipe, plan, calib=calib, keep_fp32=args.keep_fp32, progress=not args.quiet, stream=stream)
+
+    folder = None
+    if distributed.is_writer():
+        with staged_folder(args.out, args.force) as tmp:
+            writer = ShardedWriter(tmp, torch.float32 if args.keep_fp32 else torch.float16)
+            stream.sink = writer.add_block
+            run()
+            writer.finish(model, stream, tokenizer)
+        folder = args.out
+    else:
+        stream.sink = lambda _prefix, _block: None  # rank 0 writes; the blocks here are only released
+        run()
+    distributed.barrier()
+    return model, folder
 
 
 def _save_on_writer(model: torch.nn.Module, out: Path, tokenizer: object, force: bool) -> Path | None:

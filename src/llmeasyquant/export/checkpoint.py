@@ -1,16 +1,21 @@
 """Our checkpoint: safetensors + config.json + quantization_config.json (+ tokenizer files).
 
 Written to a temporary folder beside the target and renamed when complete; an existing folder is replaced only
-with `force=True`. Loading never unpickles: tensors come from safetensors, settings from JSON.
+with `force=True`. Loading never unpickles: tensors come from safetensors, settings from JSON. The tensors are one
+`model.safetensors` (`save`) or shards `model-0000k-of-0000n.safetensors` listed by `model.safetensors.index.json`
+(`export/sharded.py`, what a streamed quantization writes); `load` reads either, building the model on the meta
+device and filling it from the files, so the float model is never made in memory.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -20,7 +25,6 @@ from llmeasyquant.errors import CheckpointError, ConfigError
 from llmeasyquant.infra.files import check_output, staged_folder
 from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
 from llmeasyquant.models.experts import unfuse_experts
-from llmeasyquant.models.load import no_init_weights
 from llmeasyquant.nn.kv.cache import KVCacheSpec
 from llmeasyquant.nn.kv.calibration import KeyRanges
 from llmeasyquant.nn.kv.config import KVQuantConfig
@@ -33,16 +37,22 @@ log = logging.getLogger(__name__)
 FORMAT = "llmeasyquant"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's {"weight_map": {tensor: shard file}}
 KV_FILE = "kv_cache.safetensors"  # calibrated key ranges of the quantized KV cache, when there are some
 QCONFIG_FILE = "quantization_config.json"
 
 
 def stored_tensors(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, dict[str, str]]:
     """State dict with tied tensors stored once ({dropped name: kept name}) and float tensors cast for storage."""
+    return storable(model.state_dict().items(), float_dtype)
+
+
+def storable(items: Iterable[tuple[str, torch.Tensor]], float_dtype: torch.dtype) -> tuple[dict, dict[str, str]]:
+    """(name, tensor) pairs as `stored_tensors` stores them: tied ones once, float ones cast for storage."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in items:
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key in seen:
             aliases[name] = seen[key]
@@ -52,12 +62,19 @@ def stored_tensors(model: nn.Module, float_dtype: torch.dtype) -> tuple[dict, di
                 and not name.endswith(FULL_PRECISION_STATE)):
             cast = tensor.to(float_dtype)
             # A tensor that overflows the storage type stays as it is (quantize() kept it in fp32 on purpose).
-            if torch.isfinite(cast).all() or not torch.isfinite(tensor).all():
+            if _all_finite(cast) or not _all_finite(tensor):
                 tensor = cast
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()  # a view into a larger buffer (fused layers): safetensors stores whole tensors
         tensors[name] = tensor.detach().contiguous()
     return tensors, aliases
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """torch.isfinite(t).all(), a chunk at a time: on a whole 128k x 4k embedding the check's temporaries are
+    larger than the tensor."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
 
 
 def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None, force: bool = False) -> Path:
@@ -68,8 +85,24 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
         raise ConfigError("this model is not quantized; run llmeasyquant.quantize() on it before saving")
     out = Path(out_dir).expanduser()
     check_output(out, force)
-    float_dtype = torch.float16 if info.float_dtype == "float16" else torch.float32
-    tensors, aliases = stored_tensors(model, float_dtype)
+    tensors, aliases = stored_tensors(model, storage_dtype(model))
+    with staged_folder(out, force) as tmp:
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "producer": FORMAT})
+        write_settings(model, tmp, aliases, tokenizer)
+    log.info("saved %d quantized layers to %s", len(layers), out)
+    return out
+
+
+def storage_dtype(model: nn.Module) -> torch.dtype:
+    """The type the tensors left float are stored in, as `quantize(keep_fp32=...)` chose."""
+    return torch.float16 if model.llmeasyquant.float_dtype == "float16" else torch.float32
+
+
+def write_settings(model: nn.Module, folder: Path, aliases: dict[str, str], tokenizer: object | None) -> None:
+    """Everything but the model's tensors: quantization_config.json, config.json, the KV cache's ranges and the
+    tokenizer (shared by the one-file and the sharded writer)."""
+    info = model.llmeasyquant
+    layers = quantized_layers(model)
     qconfig = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "float_dtype": info.float_dtype,
         "source_model": info.source, "recipe": info.recipe, "plan": info.plan, "tied": aliases,
@@ -84,16 +117,12 @@ def save(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
     kv = info.kv_cache
     if kv is not None:
         qconfig["kv_cache"] = {"config": kv.config.to_dict(), "calibrated": kv.key_ranges is not None}
-    with staged_folder(out, force) as tmp:
-        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "producer": FORMAT})
-        if kv is not None and kv.key_ranges is not None:
-            save_file(kv.key_ranges.to_tensors(), tmp / KV_FILE, metadata={"format": "pt", "producer": FORMAT})
-        (tmp / "config.json").write_text(model.config.to_json_string())
-        (tmp / QCONFIG_FILE).write_text(json.dumps(qconfig, indent=2))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    log.info("saved %d quantized layers to %s", len(layers), out)
-    return out
+        if kv.key_ranges is not None:
+            save_file(kv.key_ranges.to_tensors(), folder / KV_FILE, metadata={"format": "pt", "producer": FORMAT})
+    (folder / "config.json").write_text(model.config.to_json_string())
+    (folder / QCONFIG_FILE).write_text(json.dumps(qconfig, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def _read_qconfig(path: Path) -> dict:
@@ -109,6 +138,17 @@ def _read_qconfig(path: Path) -> dict:
     if qconfig.get("format") != FORMAT or qconfig.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{qfile} is not format {FORMAT} v{FORMAT_VERSION}; re-create the checkpoint")
     return qconfig
+
+
+def _weight_files(path: Path) -> list[str]:
+    """The files holding the model's tensors: the shards the index lists, or the one file."""
+    index = path / INDEX_FILE
+    if not index.is_file():
+        return [WEIGHTS_FILE]
+    try:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{index} is corrupt ({exc}); re-create the checkpoint") from exc
 
 
 def _read_tensors(path: Path, name: str = WEIGHTS_FILE) -> dict[str, torch.Tensor]:
@@ -150,7 +190,9 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
         schemes = {name: QuantScheme.from_dict(s) for name, s in qconfig["layers"].items()}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path} has an unreadable configuration ({exc}); re-create the checkpoint") from exc
-    with no_init_weights():
+    # On the meta device: the float weights the quantized layers replace are never allocated. Buffers computed at
+    # construction (RoPE's inverse frequencies) stay real.
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     unfuse_experts(model)  # quantize() split the experts into per-expert linears: so are the stored layers
     for name, scheme in schemes.items():
@@ -164,16 +206,25 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
         has_bias = getattr(module, "bias", None) is not None
         set_module(model, name, QuantLinear(in_features, out_features, scheme, has_bias, dtype))
     _add_input_transforms(model, qconfig.get("input_transforms", {}), path)
-    tensors = _read_tensors(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        tensors.update(_read_tensors(path, file))
     tied = qconfig.get("tied", {})
     _check_match(model, tensors, tied, path)
-    state = {k: v.to(dtype) if v.is_floating_point() and not k.endswith(FULL_PRECISION_STATE) else v
-             for k, v in tensors.items()}
-    model.load_state_dict(state, strict=False)
+    expected = {k: v.dtype for k, v in model.state_dict().items()}
+    for name in list(tensors):  # one at a time, each file tensor dropped once in place
+        value = tensors.pop(name)
+        if value.is_floating_point() and not name.endswith(FULL_PRECISION_STATE):
+            value = value.to(dtype)
+        # The type the module holds (a scale stays fp16): what copying into a preallocated tensor would give.
+        model.load_state_dict({name: value.to(expected[name])}, strict=False, assign=True)
     for alias, kept in tied.items():  # tie the same way the saved model was tied
         parent, _, leaf = alias.rpartition(".")
         kept_parent, _, kept_leaf = kept.rpartition(".")
         setattr(get_module(model, parent), leaf, getattr(get_module(model, kept_parent), kept_leaf))
+    unread = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if unread:
+        raise CheckpointError(f"{path} does not fill {unread[:3]}; re-create the checkpoint")
     model.eval()
     model.llmeasyquant_source = qconfig.get("source_model")
     from llmeasyquant.api import QuantizationInfo

@@ -14,6 +14,8 @@ from torch import nn
 
 from llmeasyquant.api import quantize
 from llmeasyquant.models.arch import arch_for, get_module, set_module
+from llmeasyquant.models.streaming import BlockStreamer
+from llmeasyquant.plan import Plan
 from llmeasyquant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -21,14 +23,17 @@ log = logging.getLogger(__name__)
 DETAILS_S_PER_WINDOW_S = 30.0  # `--details` costs about this many evaluation windows per row (speed, profile, ...)
 
 
-def first_blocks_copy(model: nn.Module, count: int = 1) -> nn.Module:
-    """A copy of `model` that keeps only its first `count` blocks (the rest of the model as it is)."""
+def first_blocks_copy(model: nn.Module, count: int = 1, share_outside: bool = False) -> nn.Module:
+    """A copy of `model` that keeps only its first `count` blocks (the rest of the model as it is). With
+    `share_outside` the tensors outside the blocks are the model's own, not copies (for a run that leaves them
+    unchanged: a streamed one, whose embeddings are the largest thing in memory)."""
     blocks_path = arch_for(model).blocks
     blocks = get_module(model, blocks_path)
     kept = blocks[:count]
     set_module(model, blocks_path, nn.ModuleList())  # so that the deep copy does not copy every block
     try:
-        small = copy.deepcopy(model)
+        memo = {id(t): t for t in model.parameters()} if share_outside else {}
+        small = copy.deepcopy(model, memo)
     finally:
         set_module(model, blocks_path, blocks)
     set_module(small, blocks_path, copy.deepcopy(kept))
@@ -39,20 +44,27 @@ def first_blocks_copy(model: nn.Module, count: int = 1) -> nn.Module:
     return small
 
 
-def _timed(model: nn.Module, recipe: list, scheme: QuantScheme, calib: torch.Tensor | None, count: int) -> float:
-    small = first_blocks_copy(model, count)
+def _timed(model: nn.Module, recipe: list, scheme: QuantScheme | Plan, calib: torch.Tensor | None, count: int,
+           stream: BlockStreamer | None) -> float:
+    small = first_blocks_copy(model, count, share_outside=stream is not None)
+    small_stream = None
+    if stream is not None:  # the copy's blocks are read from the same folder, and released as in the real run
+        small_stream = BlockStreamer(small, stream.folder, stream.dtype)
+        small_stream.sink = lambda _prefix, _block: None
     start = time.perf_counter()
-    quantize(small, copy.deepcopy(recipe), scheme, calib=calib, progress=False)
+    quantize(small, copy.deepcopy(recipe), scheme, calib=calib, progress=False, stream=small_stream)
     return time.perf_counter() - start
 
 
-def quantize_seconds(model: nn.Module, recipe: list, scheme: QuantScheme, calib: torch.Tensor | None) -> float:
-    """Estimated seconds to quantize `model` with the recipe, from its first one and two blocks timed alone."""
+def quantize_seconds(model: nn.Module, recipe: list, scheme: QuantScheme | Plan, calib: torch.Tensor | None,
+                     stream: BlockStreamer | None = None) -> float:
+    """Estimated seconds to quantize `model` with the recipe, from its first one and two blocks timed alone.
+    `stream`: the model is a streamed one (blocks on the meta device), whose blocks the timing reads from its folder."""
     blocks = len(get_module(model, arch_for(model).blocks))
-    one = _timed(model, recipe, scheme, calib, 1)
+    one = _timed(model, recipe, scheme, calib, 1, stream)
     if blocks == 1:
         return one
-    per_block = max(_timed(model, recipe, scheme, calib, 2) - one, 0.0)
+    per_block = max(_timed(model, recipe, scheme, calib, 2, stream) - one, 0.0)
     return max(one - per_block, 0.0) + blocks * per_block if per_block > 0 else one * blocks
 
 

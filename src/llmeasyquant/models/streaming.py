@@ -2,12 +2,18 @@
 transformer blocks (embeddings, final norm, LM head) are read at once, and each block's tensors are read from the
 folder's safetensors only when the sequential runner reaches that block. Once quantized, a block holds packed
 integers, so the float weights of at most one block (two, while the next is read) are ever in memory.
+
+With a sink (`hollow=True`, what `quantize --stream` uses), memory no longer grows with the model: the input
+embeddings stay in their stored 16-bit type (the lookup's output is cast, which is exact), an untied LM head is
+not read (the writer copies it from the folder at the end), and every quantized block is handed to the sink (the
+sharded checkpoint writer) and released to the meta device.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +23,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmeasyquant.errors import ModelLoadError
+from llmeasyquant.infra.memory import release_freed_memory
 from llmeasyquant.models.arch import arch_for, blocks_of, is_linear, stored_name
 
 log = logging.getLogger(__name__)
@@ -34,8 +41,12 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), single)
 
 
+BlockSink = Callable[[str, torch.nn.Module], None]  # (the block's name prefix, the quantized block) -> None
+
+
 class BlockStreamer:
-    """Reads one block's tensors into a model built on the meta device; counts the float blocks held."""
+    """Reads one block's tensors into a model built on the meta device; counts the float blocks held. With a
+    `sink`, each finished block is handed to it and then released to the meta device."""
 
     def __init__(self, model: PreTrainedModel, folder: Path, dtype: torch.dtype) -> None:
         self.model, self.folder, self.dtype = model, folder, dtype
@@ -43,6 +54,28 @@ class BlockStreamer:
         self.arch = arch_for(model)
         self.prefix = self.arch.blocks + "."
         self.max_float_blocks = 0  # the most blocks whose float linear weights were in memory at once
+        self.sink: BlockSink | None = None
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """One tensor as the folder stores it (its own type), for a writer copying what was never loaded."""
+        stored = stored_name(self.arch, name)
+        if stored not in self.files:
+            raise ModelLoadError(f"{self.folder} lacks the tensor {stored}; the folder does not match its config")
+        with safe_open(str(self.files[stored]), "pt") as handle:
+            return handle.get_tensor(stored)
+
+    def load_module(self, name: str) -> None:
+        """Read the tensors of a module outside the blocks that was left unread (a head the plan quantizes)."""
+        self._read([n for n, p in self.model.named_parameters() if n.startswith(name + ".") and p.is_meta])
+
+    def finish_block(self, index: int, block: torch.nn.Module) -> None:
+        """Called by the runner once block `index` is quantized: with a sink, write it out and release it."""
+        if self.sink is None:
+            return
+        self.sink(f"{self.prefix}{index}.", block)
+        block.to("meta")  # its packed integers are on disk now; memory stays one block's worth
+        release_freed_memory()
+        log.debug("block %d written and released", index)
 
     def _read(self, names: list[str]) -> None:
         by_file: dict[Path, list[str]] = {}
@@ -61,6 +94,27 @@ class BlockStreamer:
         names = [n for n, _ in self.model.named_parameters() if not n.startswith(self.prefix)]
         self._read([n for n in names if stored_name(self.arch, n) in self.files])
         self.model.tie_weights()
+        self._check_outside()
+
+    def load_all_but_head(self) -> None:
+        """What runs before the first block and the final norm, without the LM head (left on the meta device for
+        the writer to copy from the folder, unless tied to the embeddings). The input embeddings keep the folder's
+        16-bit type (half the memory of fp32; a hook casts the lookup's output to the model's type, exactly)."""
+        embeddings = self.model.get_input_embeddings()
+        head = self.model.get_output_embeddings()
+        outside = [(n, p) for n, p in self.model.named_parameters() if not n.startswith(self.prefix)]
+        name = next(n for n, p in outside if p is embeddings.weight)
+        skip = {id(embeddings.weight)} | ({id(p) for p in head.parameters()} if head is not None else set())
+        rest = [n for n, p in outside if id(p) not in skip and stored_name(self.arch, n) in self.files]
+        stored = self.read_tensor(name)
+        kept = stored if stored.dtype in (torch.float16, torch.bfloat16) else stored.to(self.dtype)
+        set_module_tensor_to_device(self.model, name, "cpu", value=kept, dtype=kept.dtype)
+        dtype = self.dtype
+        embeddings.register_forward_hook(lambda _m, _i, out: out.to(dtype))
+        self._read(rest)
+        self.model.tie_weights()
+
+    def _check_outside(self) -> None:
         missing = [n for n, p in self.model.named_parameters() if p.is_meta and not n.startswith(self.prefix)]
         if missing:
             raise ModelLoadError(f"{self.folder} lacks {missing[:3]}; the folder does not match its config")
@@ -78,10 +132,11 @@ class BlockStreamer:
                    for block in blocks_of(self.model))
 
 
-def load_model_streamed(folder: str | Path, dtype: torch.dtype = torch.float32
+def load_model_streamed(folder: str | Path, dtype: torch.dtype = torch.float32, hollow: bool = False
                         ) -> tuple[PreTrainedModel, object, BlockStreamer]:
     """A Hugging Face folder's model with only the tensors outside its blocks loaded, its tokenizer, and the
-    streamer that `quantize(..., stream=streamer)` reads the blocks with."""
+    streamer that `quantize(..., stream=streamer)` reads the blocks with. `hollow` leaves the LM head unread
+    and the embeddings in 16 bits, for a run whose streamer gets a sink (the quantized model is then on disk)."""
     folder = Path(folder).expanduser()
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} is not a Hugging Face model folder (no config.json); streaming needs one")
@@ -90,6 +145,9 @@ def load_model_streamed(folder: str | Path, dtype: torch.dtype = torch.float32
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
     streamer = BlockStreamer(model, folder, dtype)
-    streamer.load_outside_blocks()
+    if hollow:
+        streamer.load_all_but_head()
+    else:
+        streamer.load_outside_blocks()
     model.llmeasyquant_source = str(folder.resolve())
     return model, AutoTokenizer.from_pretrained(folder, local_files_only=True), streamer
