@@ -101,6 +101,17 @@ def build_model(kind: str) -> torch.nn.Module:
     raise ValueError(kind)
 
 
+def save_hf_folders(root: Path, tokenizer: object, dtype: torch.dtype | None = None) -> dict[str, Path]:
+    """Hugging Face folders of the tiny llama (own head) and gpt2 (tied head) under `root`, in `dtype` if given."""
+    paths = {}
+    for kind in ("llama", "gpt2"):
+        paths[kind] = root / kind
+        model = build_model(kind)
+        (model if dtype is None else model.to(dtype)).save_pretrained(paths[kind])
+        tokenizer.save_pretrained(paths[kind])
+    return paths
+
+
 @pytest.fixture(autouse=True)
 def _fixed_kernel_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """The registry's first supporting kernel, for every row count: tests that name the kernel they expect stay

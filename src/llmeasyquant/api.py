@@ -116,6 +116,10 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
     if stream is not None and arch.experts is not None:
         raise ConfigError(f"--stream reads a block's weights by their names in the float checkpoint, which "
                           f"{arch.family}'s per-expert linears do not have: quantize without --stream")
+    rewrite = next((step for step in recipe if isinstance(step, ModelTransform)), None)
+    if stream is not None and rewrite is not None:
+        raise ConfigError(f"{rewrite.name} rewrites the whole model at once, which --stream never holds; "
+                          "quantize without --stream")
     unfuse_experts(model)  # one linear per expert, so that each is calibrated and quantized on its own tokens
     resolved = plan.resolve(model)
     if not resolved:
@@ -127,9 +131,6 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
     start = time.perf_counter()
     for step in recipe:  # whole-model rewrites (a rotation) come before any block is calibrated
         if isinstance(step, ModelTransform):
-            if stream is not None:
-                raise ConfigError(f"{step.name} rewrites the whole model at once, which --stream never holds; "
-                                  "quantize without --stream")
             step.apply_model(model, arch)
     # Calibration ids that only the KV cache needs skip the runner's per-block passes (RTN weights need none).
     weights_need = any(m.needs_calibration for m in recipe) or any(s.static_act for s in resolved.values())

@@ -12,7 +12,7 @@ import torch
 
 import llmeasyquant as lq
 from cli_helpers import assert_one_line_error, run
-from conftest import build_model
+from conftest import save_hf_folders
 from llmeasyquant.export.checkpoint import INDEX_FILE, WEIGHTS_FILE, load
 from llmeasyquant.export.sharded import ShardedWriter, write_safetensors
 from llmeasyquant.infra.files import staged_folder
@@ -24,13 +24,7 @@ CALIB = torch.randint(3, 256, (4, 32), generator=torch.Generator().manual_seed(3
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> dict[str, Path]:
     """Hugging Face folders in bf16 (as hub checkpoints are): llama with its own head, gpt2 with a tied one."""
-    root = tmp_path_factory.mktemp("sharded")
-    paths = {}
-    for kind in ("llama", "gpt2"):
-        paths[kind] = root / kind
-        build_model(kind).to(torch.bfloat16).save_pretrained(paths[kind])
-        tiny_tokenizer.save_pretrained(paths[kind])
-    return paths
+    return save_hf_folders(tmp_path_factory.mktemp("sharded"), tiny_tokenizer, torch.bfloat16)
 
 
 def _streamed_write(source: Path, out: Path, recipe: object, scheme: lq.QuantScheme, shard_bytes: int) -> int:

@@ -11,20 +11,14 @@ from tests.models.test_arch import FAMILIES, tiny
 
 import llmeasyquant as lq
 from cli_helpers import assert_one_line_error, run
-from conftest import build_model
+from conftest import build_model, save_hf_folders
 from llmeasyquant.models.arch import ARCHITECTURES
 from llmeasyquant.models.streaming import load_model_streamed
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("stream")
-    paths = {}
-    for kind in ("llama", "gpt2"):
-        paths[kind] = root / kind
-        build_model(kind).save_pretrained(paths[kind])
-        tiny_tokenizer.save_pretrained(paths[kind])
-    return paths
+    return save_hf_folders(tmp_path_factory.mktemp("stream"), tiny_tokenizer)
 
 
 def _quantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
