@@ -10,7 +10,7 @@ import torch
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids
 from llmeasyquant.cli import main
-from llmeasyquant.methods.gptq import gptq_solve, inverse_factor
+from llmeasyquant.methods.gptq import gptq_solve, inverse_factor_
 from llmeasyquant.primitives import choose_qparams, dequantize, qrange, quantize
 from llmeasyquant.texts import shipped_bytes
 
@@ -142,17 +142,32 @@ def test_gptq_on_a_grid_beats_rtn_on_the_same_grid(scheme, act_order):
     assert torch.equal(again, codes)
 
 
-def test_inverse_factor_is_the_upper_factor_of_the_inverse_on_fixed_threads():
+def test_inverse_factor_is_the_upper_factor_of_the_inverse_in_place_on_fixed_threads():
     x = torch.randn(256, 48, generator=torch.Generator().manual_seed(5))
     h = x.t() @ x + torch.eye(48)
     before = torch.get_num_threads()
-    factor = inverse_factor(h)
+    work = h.clone()
+    factor = inverse_factor_(work)
+    assert factor is work  # in place: no second copy of a large H
     assert torch.get_num_threads() == before  # the process's thread count is given back
     assert factor.dtype == torch.float32 and torch.equal(torch.triu(factor), factor)
     torch.testing.assert_close(factor.double().t() @ factor.double(), torch.linalg.inv(h.double()),
                                rtol=1e-4, atol=1e-7)
     torch.set_num_threads(2 if before == 1 else 1)
     try:
-        assert torch.equal(inverse_factor(h), factor)  # whatever the caller's thread count
+        assert torch.equal(inverse_factor_(h.clone()), factor)  # whatever the caller's thread count
     finally:
         torch.set_num_threads(before)
+
+
+def test_solving_in_the_hessians_memory_gives_the_same_codes():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(512, 96, generator=g) * torch.rand(96, generator=g) * 3
+    h = 2 * x.t() @ x / 512
+    weight = torch.randn(40, 96, generator=g)
+    s = lq.parse_scheme("w4a16-g32")
+    codes, qp = gptq_solve(weight, h, s, act_order=True)
+    work = h.clone()
+    again, qp_again = gptq_solve(weight, work, s, act_order=True, consume=True)
+    assert torch.equal(codes, again) and torch.equal(qp.scale, qp_again.scale)
+    assert not torch.equal(work, h)  # it was the workspace

@@ -98,3 +98,21 @@ def test_a_mixture_of_experts_is_refused_by_streaming(family, tmp_path, tiny_tok
     model, _, streamer = load_model_streamed(folder)
     with pytest.raises(lq.ConfigError, match=f"{family}'s per-expert linears.*without --stream"):
         lq.quantize(model, lq.RTN(), lq.W8A16, progress=False, stream=streamer)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])  # own head, tied head
+def test_a_hollow_models_embeddings_are_mapped_from_the_folder_and_remapped(folders, kind):
+    from safetensors import safe_open
+
+    model, _, stream = load_model_streamed(folders[kind], hollow=True)
+    weight = model.get_input_embeddings().weight
+    file = stream.files[stream.embeddings_name]
+    with safe_open(str(file), "pt") as handle:
+        stored = handle.get_tensor(stream.embeddings_name)
+    assert torch.equal(weight, stored) and weight.dtype == stored.dtype
+    assert weight.untyped_storage().nbytes() == file.stat().st_size  # a view into the whole file's map
+    stream.map_embeddings()
+    again = model.get_input_embeddings().weight
+    assert again.data_ptr() != weight.data_ptr() and torch.equal(again, stored)
+    if kind == "gpt2":
+        assert model.get_output_embeddings().weight is again  # still tied

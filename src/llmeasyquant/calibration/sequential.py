@@ -116,6 +116,8 @@ def _run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, 
         calib = calib[sample_ids]  # this rank's batches; statistics are summed (exactly) over ranks
     if calib is not None:
         inputs, kwargs = capture_block_inputs(model, calib)
+        if stream is not None:
+            stream.map_embeddings()  # the rows just looked up leave memory (a hollow model's embeddings are mapped)
         if any(m.float_path for m in recipe):
             float_inputs = inputs  # the unquantized model's activations, carried beside the quantized ones
     reports = []

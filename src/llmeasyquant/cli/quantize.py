@@ -93,8 +93,10 @@ def _quantize_streamed(args: argparse.Namespace, recipe: list, plan: object, met
     from llmeasyquant.export.sharded import ShardedWriter
     from llmeasyquant.infra import distributed
     from llmeasyquant.infra.files import staged_folder
+    from llmeasyquant.infra.memory import map_large_allocations
     from llmeasyquant.models.streaming import load_model_streamed
 
+    map_large_allocations()  # freed tensors leave the resident size at once, not only at the next trim
     model, tokenizer, stream = load_model_streamed(args.model, hollow=True)
     calib = build_calibration(args, recipe, model, tokenizer)
     if args.estimate:

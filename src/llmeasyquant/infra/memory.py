@@ -3,6 +3,12 @@
 A block's packed tensors (tens of MB each) fall under glibc's mmap threshold, so once freed they stay in the heap
 as free space that the process's resident size still counts: a streamed 8B quantization grew by about 50 MB per
 block that way. `malloc_trim(0)` returns that free space (the heap's top, and whole free pages inside it).
+
+glibc's threshold also moves: once a large mmapped block is freed, the threshold rises to its size (up to 32 MiB), so
+later tensors of a few MB (a calibration sample's activations, a block's weights) come from the heap and their
+memory stays counted after they are freed, until a trim. A streamed run fixes the threshold at 1 MiB
+(`map_large_allocations`): each larger tensor is mapped and unmapped on its own, and the resident size is what is
+live.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +32,31 @@ def _libc() -> ctypes.CDLL | None:
     return libc if libc is not None and hasattr(libc, "malloc_trim") else None  # glibc only
 
 
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
+LARGE_ALLOCATION = 1 << 20
+
+
+def map_large_allocations() -> bool:
+    """Give every allocation of LARGE_ALLOCATION bytes or more its own mapping, returned to the system when freed
+    (glibc; elsewhere nothing). For the whole process: a streamed quantization's, whose peak memory is its point."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION))
+
+
 def release_freed_memory() -> None:
     """Return the heap's free memory to the system where the C library can (glibc); elsewhere nothing."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def available_bytes() -> int | None:
+    """Memory a new allocation can take without the out-of-memory killer: the kernel's MemAvailable plus free swap
+    (Linux); None where /proc/meminfo does not say."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

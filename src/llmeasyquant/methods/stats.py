@@ -19,7 +19,8 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.infra import distributed
-from llmeasyquant.infra.exact_sum import ExactSum, exact_totals
+from llmeasyquant.infra.exact_gram import ExactGram
+from llmeasyquant.infra.exact_sum import exact_totals
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.nn.transform import transformed_input
 
@@ -63,9 +64,13 @@ class InputStats:
         """The statistics once the inputs of `names` are divided channel-wise by `scales` [in] (as SmoothQuant
         and AWQ do), computed from these ones instead of by another pass over the data."""
         hessian, lo, hi = dict(self.hessian), dict(self.lo), dict(self.hi)
+        done: dict[int, torch.Tensor] = {}  # linears that read one input share one H: divided once, still shared
         for name in names:
             if name in hessian:
-                hessian[name] = self.hessian[name] / scales[:, None] / scales[None, :]
+                h = self.hessian[name]
+                if id(h) not in done:
+                    done[id(h)] = (h / scales[:, None]).div_(scales[None, :])  # one new matrix, not two
+                hessian[name] = done[id(h)]
             if name in lo:
                 lo[name], hi[name] = self.lo[name] / scales, self.hi[name] / scales
         return InputStats(hessian=hessian, lo=lo, hi=hi, kinds=self.kinds, tokens=self.tokens)
@@ -108,7 +113,7 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     pay for it; the others come back empty. Names starting with one of the `routed` prefixes (a mixture of experts'
     experts) may read no token: they get a count of 0 and no statistics; any other name that reads none is an
     error."""
-    sums: dict[str, ExactSum] = {}
+    sums: dict[str, ExactGram] = {}
     lo: dict[str, torch.Tensor] = {}
     hi: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
@@ -127,11 +132,11 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
             seen_this_pass.append((x, name))
             flat = transformed_input(module, x).reshape(-1, x.shape[-1]).float()  # [tokens, in], as W reads it
             if "hessian" in want:
-                # Each batch's product alone (in fp32, the same on whichever rank holds the batch), summed exactly:
-                # the order of the batches, and how they are split over ranks, changes no bit of H.
+                # Each batch's products alone (in fp32, the same on whichever rank holds the batch), summed exactly
+                # in bounded memory: the order of the batches, and how they are split over ranks, changes no bit of H.
                 if name not in sums:
-                    sums[name] = ExactSum((flat.shape[1], flat.shape[1]))
-                sums[name].add(flat.t() @ flat)
+                    sums[name] = ExactGram(flat.shape[1])
+                sums[name].add(flat)
             if "range" in want:
                 low, high = flat.amin(dim=0), flat.amax(dim=0)
                 lo[name] = torch.minimum(lo[name], low) if name in lo else low
@@ -157,13 +162,13 @@ def collect_input_stats(block: nn.Module, names: list[str], inputs: list[torch.T
     # Under torch.distributed each rank saw its share of the batches: sum the statistics over ranks (in the order
     # the hooks fired, which every rank shares) so that all of them hold the statistics of all the data. Counts
     # are integers, minima and maxima exact, and the Gram sums exact: the result is the single process's, bit for bit.
+    hessian = {}
     for name in counts:
         counts[name] = int(distributed.all_reduce(torch.tensor(counts[name], dtype=torch.int64)))
         if name in sums:
-            sums[name].all_reduce()
+            hessian[name] = 2 * sums.pop(name).reduce(counts[name])  # x2 is exact: the bits of 2 Σ / n in fp64
         if name in lo:
             lo[name], hi[name] = distributed.all_reduce(lo[name], "min"), distributed.all_reduce(hi[name], "max")
-    hessian = {name: (2 * sums[name].value() / counts[name]).float() for name in sums}
     for name, owner in alias.items():
         if owner in hessian:
             hessian[name] = hessian[owner]

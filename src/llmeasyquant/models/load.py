@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
+import math
+import struct
 from pathlib import Path
 
 import torch
@@ -12,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmeasyquant.errors import ModelLoadError
 from llmeasyquant.infra.hub import hub_reachable
+from llmeasyquant.infra.memory import available_bytes
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,27 @@ def _load_hub(name: str, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
         raise ModelLoadError(f"cannot load {name!r} from the Hugging Face hub: {exc}") from exc
 
 
+def folder_elements(path: Path) -> int:
+    """Elements of every tensor in a folder's safetensors files, from their headers (nothing else is read)."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as handle:
+            header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+    return total
+
+
+def _check_fits(path: Path, dtype: torch.dtype) -> None:
+    """Refuse, before the out-of-memory killer does, a whole-model load larger than the memory available."""
+    needed = folder_elements(path) * dtype.itemsize
+    available = available_bytes()
+    if available is not None and needed > available:
+        raise ModelLoadError(
+            f"loading {path} whole needs about {needed / 1e9:.1f} GB ({dtype} weights) and {available / 1e9:.1f} GB "
+            "are available: quantize it block by block with `quantize --stream`, evaluate its checkpoint with "
+            "`eval --no-reference` (perplexity only), bench it with `bench --baseline none`")
+
+
 def load_model(spec: str = "smollm2-135m", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, object]:
     """Load a causal LM and its tokenizer, in eval mode, on the CPU.
 
@@ -99,6 +124,7 @@ def load_model(spec: str = "smollm2-135m", dtype: torch.dtype = torch.float32) -
             raise ModelLoadError(f"{path} is a quantized checkpoint; open it with llmeasyquant.load()")
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is a folder without config.json; it is not a Hugging Face model folder")
+        _check_fits(path, dtype)
         try:
             model, tokenizer = _load_pretrained(str(path), dtype, local_only=True)
         except (OSError, ValueError) as exc:

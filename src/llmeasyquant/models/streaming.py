@@ -4,15 +4,17 @@ folder's safetensors only when the sequential runner reaches that block. Once qu
 integers, so the float weights of at most one block (two, while the next is read) are ever in memory.
 
 With a sink (`hollow=True`, what `quantize --stream` uses), memory no longer grows with the model: the input
-embeddings stay in their stored 16-bit type (the lookup's output is cast, which is exact), an untied LM head is
-not read (the writer copies it from the folder at the end), and every quantized block is handed to the sink (the
-sharded checkpoint writer) and released to the meta device.
+embeddings are mapped from the folder's file in their stored type (the lookup's output is cast, which is exact),
+and mapped afresh once the calibration tokens are looked up, so the pages read then leave the process (1 GB at
+8B); an untied LM head is not read (the writer copies it from the folder at the end); and every quantized block is
+handed to the sink (the sharded checkpoint writer) and released to the meta device.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +43,23 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), single)
 
 
+_SAFETENSORS_TYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def mapped_tensor(file: Path, name: str) -> torch.Tensor | None:
+    """Tensor `name` of a safetensors file as a private memory map (pages read only when touched; nothing is
+    written back), or None where its type or alignment does not allow a view."""
+    with file.open("rb") as handle:
+        header_bytes = struct.unpack("<Q", handle.read(8))[0]
+        entry = json.loads(handle.read(header_bytes))[name]
+    dtype = _SAFETENSORS_TYPES.get(entry["dtype"])
+    begin, end = (8 + header_bytes + offset for offset in entry["data_offsets"])
+    if dtype is None or begin % dtype.itemsize:
+        return None
+    mapped = torch.from_file(str(file), shared=False, size=file.stat().st_size, dtype=torch.uint8)
+    return mapped[begin:end].view(dtype).view(entry["shape"])
+
+
 BlockSink = Callable[[str, torch.nn.Module], None]  # (the block's name prefix, the quantized block) -> None
 
 
@@ -55,6 +74,7 @@ class BlockStreamer:
         self.prefix = self.arch.blocks + "."
         self.max_float_blocks = 0  # the most blocks whose float linear weights were in memory at once
         self.sink: BlockSink | None = None
+        self.embeddings_name: str | None = None  # set when they are memory-mapped (a hollow model)
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """One tensor as the folder stores it (its own type), for a writer copying what was never loaded."""
@@ -103,15 +123,29 @@ class BlockStreamer:
         embeddings = self.model.get_input_embeddings()
         head = self.model.get_output_embeddings()
         outside = [(n, p) for n, p in self.model.named_parameters() if not n.startswith(self.prefix)]
-        name = next(n for n, p in outside if p is embeddings.weight)
+        self.embeddings_name = next(n for n, p in outside if p is embeddings.weight)
         skip = {id(embeddings.weight)} | ({id(p) for p in head.parameters()} if head is not None else set())
         rest = [n for n, p in outside if id(p) not in skip and stored_name(self.arch, n) in self.files]
-        stored = self.read_tensor(name)
-        kept = stored if stored.dtype in (torch.float16, torch.bfloat16) else stored.to(self.dtype)
-        set_module_tensor_to_device(self.model, name, "cpu", value=kept, dtype=kept.dtype)
+        self.map_embeddings()
         dtype = self.dtype
         embeddings.register_forward_hook(lambda _m, _i, out: out.to(dtype))
         self._read(rest)
+
+    def map_embeddings(self) -> None:
+        """Map the input embeddings from the folder afresh (a hollow model's; a no-op otherwise): the rows a lookup
+        read leave the process's memory with the old map. The runner calls it once the calibration tokens are
+        looked up; the file pages are read again only by the writer at the end."""
+        name = self.embeddings_name
+        if name is None:
+            return
+        stored = stored_name(self.arch, name)
+        if stored not in self.files:
+            raise ModelLoadError(f"{self.folder} lacks the tensor {stored}; the folder does not match its config")
+        value = mapped_tensor(self.files[stored], stored)
+        if value is None:  # a type or an offset that a view cannot take: held in memory instead
+            value = self.read_tensor(name)
+            value = value if value.dtype in (torch.float16, torch.bfloat16) else value.to(self.dtype)
+        set_module_tensor_to_device(self.model, name, "cpu", value=value, dtype=value.dtype)
         self.model.tie_weights()
 
     def _check_outside(self) -> None:
