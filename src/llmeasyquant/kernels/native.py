@@ -58,9 +58,11 @@ def isa_flags(capability: str) -> list[str]:
 
 
 def source_digest(flags: list[str]) -> str:
-    """The build's key: a digest of the compiler flags and of the name and content of every source and header under
-    native/."""
-    digest = hashlib.sha256(repr(flags).encode())
+    """The build's key: a digest of the compiler flags, of where native/ is, and of the name and content of every
+    source and header under it. The place counts because PyTorch rebuilds a cached extension of the same name whose
+    sources come from other paths: two checkouts (or an installed copy beside a clone) would otherwise take turns
+    recompiling it, minutes each, in every process that alternates."""
+    digest = hashlib.sha256(repr(flags).encode() + str(NATIVE.resolve()).encode())
     for path in sorted(p for p in NATIVE.iterdir() if p.suffix in {".cpp", ".h"}):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
