@@ -116,9 +116,9 @@ def quantize_command(folder: Path, flags: list[str], head: str, out: Path) -> li
 
 def _public(command: list[str], folder: Path, work: Path) -> str:
     """The command as a user would type it, without this machine's paths."""
-    text = " ".join(command[2:] if command[0] == sys.executable else command)
-    return text.replace(str(work), "WORK").replace(str(folder), folder.name).replace("-m llmeasyquant.cli",
-                                                                                     "llmeasyquant")
+    if command[:3] == [sys.executable, "-m", "llmeasyquant.cli"]:
+        command = ["llmeasyquant", *command[3:]]
+    return " ".join(command).replace(str(work), "WORK").replace(str(folder), folder.name)
 
 
 def make_checkpoint(folder: Path, work: Path, name: str, timeout: float) -> tuple[Path, dict | None]:

@@ -109,5 +109,7 @@ def test_end_to_end_on_the_tiny_shape_without_llama_cpp(speed, tiny, tmp_path, c
     assert rows["w4a16-g128"]["stored_bytes_per_token"] < rows["w8a8"]["stored_bytes_per_token"]
     assert records[0]["protocol"]["llama_cpp_skipped"].startswith("no --llama-bench")
     assert records[1]["protocol"]["head"] == "w4a16-g128"
+    quantized = records[0]["protocol"]["quantize"]["command"]
+    assert quantized.startswith("llmeasyquant --quiet quantize llama-tiny --method rtn")
     assert str(tmp_path) not in json.dumps(records)  # no path of this machine in the records
     assert not list((tmp_path / "work").glob("*-w8a8"))  # checkpoints deleted without --keep
