@@ -25,6 +25,9 @@ def test_weight_bytes_count_what_a_decode_step_reads(tiny_llama):
     assert weight_bytes_per_token(model) < float_bytes
     assert weight_bytes_per_token(model) >= sum(m.storage_bytes() for m in layers)
     assert model_bytes(model) >= weight_bytes_per_token(model)
+    unfused = weight_bytes_per_token(model)
+    assert lq.fuse_shared_inputs(model) > 0  # q/k/v and gate/up become row views into one tensor each
+    assert weight_bytes_per_token(model) == unfused
 
 
 def test_bench_rows_and_speedups(tiny_llama):

@@ -216,6 +216,27 @@ def test_registry_choice(scheme_name, in_features, expected):
     assert rel_rms_err(layer(x), reference(x)) <= 1e-2
 
 
+def test_int8_operator_is_not_offered_codes_off_a_16_byte_boundary():
+    # aten._weight_int8pack_mm segfaults on such codes; a checkpoint read from safetensors can hold them.
+    from llmeasyquant.kernels.cpu import INT8PACK_ALIGNMENT, Int8WeightOnlyKernel
+
+    weight, bias = make_weight(2048, 64, seed=4)
+    layer = QuantLinear.from_weight(weight, bias, parse_scheme("w8a16"))
+    reference = QuantLinear.from_weight(weight, bias, parse_scheme("w8a16"))
+    reference.kernel_name = REFERENCE
+    assert Int8WeightOnlyKernel().supports(layer)
+    shifted = torch.empty(layer.qweight.numel() + 64, dtype=torch.int8)
+    offset = next(k for k in range(1, 64) if (shifted.data_ptr() + k) % INT8PACK_ALIGNMENT)
+    shifted[offset:offset + layer.qweight.numel()] = layer.qweight.flatten()
+    layer.qweight = shifted[offset:offset + layer.qweight.numel()].view_as(layer.qweight)
+    layer.forget_kernel()
+    assert not Int8WeightOnlyKernel().supports(layer)
+    for rows in (1, 16):  # the registry times its candidates on these rows: none of them may crash
+        x = make_input(rows, 2048)
+        assert layer.kernel(rows).name != INT8PACK
+        assert rel_rms_err(layer(x), reference(x)) <= 1e-2
+
+
 def test_env_forces_reference(monkeypatch):
     monkeypatch.setenv("LLMEASYQUANT_KERNEL", "reference")
     weight, bias = make_weight(576, 64, seed=1)

@@ -62,13 +62,15 @@ def memory_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:
 def weight_bytes_per_token(model: nn.Module) -> int:
     """Bytes of parameters and buffers a decode step reads: every tensor once, except embedding tables, of which
     one row is looked up (unless the LM head shares the table: then the head reads it whole)."""
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
     total = 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_weight = getattr(head, "weight", None)
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for tensor in [*model.parameters(), *model.buffers()]:
-        key = tensor.untyped_storage().data_ptr()
+        # A tensor is known by where it starts and its size, not by its storage: fused layers' buffers are row
+        # views into one storage (nn/fused.py), each read once.
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
         if key in seen:
             continue
         seen.add(key)

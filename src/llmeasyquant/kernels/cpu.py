@@ -25,6 +25,7 @@ from llmeasyquant.primitives import MIN_SCALE, qrange, quantize
 from llmeasyquant.scheme import ActMode, PerChannel, PerTensor, PerToken
 
 _INT4_GROUPS = (32, 64, 128, 256)
+INT8PACK_ALIGNMENT = 16  # bytes: aten._weight_int8pack_mm reads its weight with aligned loads
 
 
 def quantize_rows_symmetric(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +99,11 @@ class Int8WeightOnlyKernel:
     name = "cpu_int8pack_w8a16"
 
     def supports(self, layer) -> bool:
-        # The bf16 path of the operator crashes (segfault) on input widths that are not a multiple of 16.
+        # The bf16 path of the operator crashes (segfault) on input widths that are not a multiple of 16, and on
+        # codes that do not start on a 16-byte boundary: tensors read from a safetensors file start wherever the
+        # file put them (the 1B checkpoint's layers at 8-byte offsets did).
         return (layer.scheme.bits == 8 and layer.scheme.act is None and _per_row_weights(layer)
-                and layer.in_features % 16 == 0)
+                and layer.in_features % 16 == 0 and layer.qweight.data_ptr() % INT8PACK_ALIGNMENT == 0)
 
     def prepare(self, layer) -> dict:
         scale = layer.scales[:, 0].float()
