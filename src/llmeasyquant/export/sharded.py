@@ -24,7 +24,8 @@ from llmeasyquant.models.streaming import BlockStreamer
 
 log = logging.getLogger(__name__)
 
-SHARD_BYTES = 1 << 29  # a shard is written once this much is waiting: memory holds at most this plus one tensor
+SHARD_BYTES = 1 << 27  # a shard is written once this much is waiting: memory holds at most this plus one tensor
+# (128 MiB: what waits adds to the peak of a streamed run, whose blocks are tens or hundreds of MB packed)
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
            torch.bool: "BOOL"}
