@@ -20,10 +20,10 @@ weights exported to GGUF, in one run.
    written (merged into --out by model and scheme) and its checkpoint deleted before the next scheme starts.
    Outputs already in --work are reused; --keep keeps them all.
 3. Bytes per decoded token: every weight a step reads once (codes, scales, zero points, norms, the quantized LM
-   head; one row of the embedding table, not counted), from the checkpoint as stored (`stored_bytes_per_token`) and
-   as the chosen decode kernels hold it after preparing it (`kernel_bytes_per_token`: a kernel may repack, e.g.
-   int4 codes with bf16 scale-and-offset pairs). The bound is bandwidth / stored bytes: the format's speed of
-   light. For llama.cpp, the GGUF's tensors other than token_embd.
+   head; one row of the embedding table, not counted), from the checkpoint as stored
+   (`eval/bench.weight_bytes_per_token`) and as the chosen decode kernels hold it after preparing it
+   (`kernel_bytes_per_token`: a kernel may repack, e.g. int4 codes with bf16 scale-and-offset pairs). The bound
+   is bandwidth / stored bytes: the format's speed of light. For llama.cpp, the GGUF's tensors other than token_embd.
 
 llama-bench is llama.cpp's own tool (build it with CMake from the llama.cpp sources, e.g. those inside the
 llama-cpp-python source package: `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-bench`);
@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmeasyquant.eval.bench import memory_bandwidth_gbs, weight_bytes_per_token
+from llmeasyquant.eval.speed import timed_greedy
 from llmeasyquant.infra.memory import release_freed_memory
 from llmeasyquant.record import Record, read_records, write_records
 
@@ -179,16 +181,6 @@ def _unique_bytes(tensors: Iterator[torch.Tensor]) -> int:
     return sum(size for _, size in seen)
 
 
-def stored_bytes_per_token(model: nn.Module) -> int:
-    """Bytes a decode step reads from the model as stored: every parameter and buffer once, except the embedding
-    tables (one row looked up) unless the LM head reads the same table. Call before fusing (fused layers' buffers
-    are views into one storage)."""
-    head = getattr(model.get_output_embeddings(), "weight", None)
-    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return _unique_bytes(t for t in [*model.parameters(), *model.buffers()]
-                         if id(t) not in looked_up or t is head)
-
-
 def _running_layers(model: nn.Module) -> list:
     """The QuantLinear layers a forward calls: a fused group's combined layer instead of its members."""
     from llmeasyquant.nn.qlinear import QuantLinear
@@ -265,14 +257,7 @@ class _Alarm:
 
 def decode_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> float:
     """Tokens per second of `new_tokens - 1` greedy lean-loop steps after a prefill of `prompt` [1, P]."""
-    from llmeasyquant.eval.speed import Greedy
-
-    run = Greedy(model, "lean", prompt.shape[1] + new_tokens)
-    token = run.prefill(prompt)
-    start = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        token = run.step(token)
-    return (new_tokens - 1) / (time.perf_counter() - start)
+    return (new_tokens - 1) / timed_greedy(model, prompt, new_tokens, "lean")[1]
 
 
 def llama_bench(binary: Path, gguf: Path, new_tokens: int, threads: int, timeout: float) -> dict:
@@ -322,14 +307,13 @@ def summarize(name: str, rounds: list[dict], stored: int, kernel: int, peers: di
 def measure(name: str, checkpoint: Path, ggufs: dict[str, Path], binary: Path | None,
             args: argparse.Namespace) -> dict:
     from llmeasyquant import fuse_shared_inputs, load
-    from llmeasyquant.eval.bench import memory_bandwidth_gbs
 
     started = conditions()
     load_start = time.perf_counter()
     model, _ = load(checkpoint)
     model.eval()
     load_s = time.perf_counter() - load_start
-    stored = stored_bytes_per_token(model)
+    stored = weight_bytes_per_token(model)
     fuse_shared_inputs(model)
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)

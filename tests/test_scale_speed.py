@@ -54,7 +54,7 @@ def test_stored_bytes_count_codes_scales_head_and_norms_but_not_the_embedding(sp
     biases = sum(m.bias.numel() * m.bias.element_size() for m in layers if m.bias is not None)
     rotary = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rotary" in n)
     expected = sum(m.storage_bytes() for m in layers) + biases + norms + rotary
-    stored = speed.stored_bytes_per_token(model)
+    stored = speed.weight_bytes_per_token(model)
     assert stored == expected
     assert stored < sum(p.numel() * p.element_size() for p in model.parameters())  # the fp32 table is left out
     # Fused layers' buffers become views into one tensor: counted before fusing, and the kernels' view agrees.

@@ -81,7 +81,7 @@ class Greedy:
         return out.logits[:, -1:].argmax(-1)
 
 
-def _greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int, runtime: str) -> tuple[float, float]:
+def timed_greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int, runtime: str) -> tuple[float, float]:
     """Seconds of the prefill and of the `new_tokens - 1` decode steps after it."""
     run = Greedy(model, runtime, prompt.shape[1] + new_tokens)
     start = time.perf_counter()
@@ -99,8 +99,8 @@ def generation_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 6
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 to time a decode step, got {new_tokens}")
     runtime = resolve_runtime(model, runtime)
-    _greedy(model, prompt, warmup, runtime)  # first calls prepare kernels and allocate, at the prompt's own length
-    prefill_s, decode_s = _greedy(model, prompt, new_tokens, runtime)
+    timed_greedy(model, prompt, warmup, runtime)  # first calls prepare kernels and allocate, at the prompt's own length
+    prefill_s, decode_s = timed_greedy(model, prompt, new_tokens, runtime)
     return {"prefill_tok_s": prompt.shape[1] / prefill_s, "decode_tok_s": (new_tokens - 1) / decode_s,
             "prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens, "runtime": runtime}
 
@@ -130,7 +130,7 @@ def profile_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16,
     from torch.profiler import ProfilerActivity, profile
 
     _name_layers(model)
-    _greedy(model, prompt[:, :8], 4, runtime)  # warm up outside the profile
+    timed_greedy(model, prompt[:, :8], 4, runtime)  # warm up outside the profile
     run = Greedy(model, runtime, prompt.shape[1] + new_tokens)
     token = run.prefill(prompt)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -65,14 +65,14 @@ class ExactGram:
         """Σ xᵀx / divisor [width, width] fp32 over every batch of every rank (each panel all-reduced in turn, so
         every rank must call it), each entry rounded once from the exact fp64 sum."""
         out = torch.empty(self.width, self.width, dtype=torch.float32, device=self.device)
-        for index, columns in enumerate(self._columns()):
-            total = self.panels[index] if self.panels is not None else ExactSum((self.width, columns.stop -
-                                                                                 columns.start))
+        folded, self.panels = self.panels, None
+        for columns in self._columns():
+            # A folded panel's bins are freed once it is formed; kept batches need one panel's bins at a time.
+            total = folded.pop(0) if folded is not None else ExactSum((self.width, columns.stop - columns.start))
             for batch in self.kept:
                 self._add_products(total, batch, columns)
             total.all_reduce()
             out[:, columns] = (total.value() / divisor).float()
-            if self.panels is not None:
-                self.panels[index] = ExactSum(())  # this panel's bins are no longer needed
-        self.kept, self.panels = [], None
+            del total
+        self.kept = []
         return out

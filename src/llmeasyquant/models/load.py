@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import logging
 import math
-import struct
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmeasyquant.errors import ModelLoadError
@@ -86,12 +85,12 @@ def _load_hub(name: str, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
 
 
 def folder_elements(path: Path) -> int:
-    """Elements of every tensor in a folder's safetensors files, from their headers (nothing else is read)."""
+    """Elements of every tensor in a folder's safetensors files, from their headers (no tensor is read)."""
     total = 0
     for file in sorted(path.glob("*.safetensors")):
-        with file.open("rb") as handle:
-            header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
-        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+        with safe_open(str(file), "pt") as handle:
+            names = handle.keys()  # a list: the handle itself is not iterable
+            total += sum(math.prod(handle.get_slice(name).get_shape()) for name in names)
     return total
 
 

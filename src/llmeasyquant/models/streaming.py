@@ -118,8 +118,8 @@ class BlockStreamer:
 
     def load_all_but_head(self) -> None:
         """What runs before the first block and the final norm, without the LM head (left on the meta device for
-        the writer to copy from the folder, unless tied to the embeddings). The input embeddings keep the folder's
-        16-bit type (half the memory of fp32; a hook casts the lookup's output to the model's type, exactly)."""
+        the writer to copy from the folder, unless tied to the embeddings). The input embeddings are memory-mapped in
+        the folder's type (`map_embeddings`; a hook casts the lookup's output to the model's type, exactly)."""
         embeddings = self.model.get_input_embeddings()
         head = self.model.get_output_embeddings()
         outside = [(n, p) for n, p in self.model.named_parameters() if not n.startswith(self.prefix)]
@@ -170,7 +170,7 @@ def load_model_streamed(folder: str | Path, dtype: torch.dtype = torch.float32, 
                         ) -> tuple[PreTrainedModel, object, BlockStreamer]:
     """A Hugging Face folder's model with only the tensors outside its blocks loaded, its tokenizer, and the
     streamer that `quantize(..., stream=streamer)` reads the blocks with. `hollow` leaves the LM head unread
-    and the embeddings in 16 bits, for a run whose streamer gets a sink (the quantized model is then on disk)."""
+    and the embeddings memory-mapped, for a run whose streamer gets a sink (the quantized model is then on disk)."""
     folder = Path(folder).expanduser()
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} is not a Hugging Face model folder (no config.json); streaming needs one")
