@@ -256,9 +256,10 @@ def test_dequantize_int4_is_the_reference_weight_bit_for_bit(ops, scheme, in_fea
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (100, 7), (101, 5)])
 @pytest.mark.parametrize("count", [1, 3, 5, 16, 17, 40])
 def test_int4_weight_kernel_matches_the_reference_in_fp32(ops, scheme, in_features, out_features, count):
-    """W4A16 on the fused operators, uniform codes or a grid's table: the registry's first choice; to fp32 rounding
-    of the reference up to 16 rows (weights dequantized in registers), its exact result above (the same fp32 weight
-    and GEMM)."""
+    """W4A16 on the fused operators, uniform codes or a grid's table: the registry's first choice; up to 16 rows
+    (weights dequantized in registers) the reference's result to within what carrying the activations at 16
+    significant bits can move (the bf16 dot-product path; the grid's table path is fp32), its exact result above
+    (the same fp32 weight and GEMM)."""
     layer = int4_layer(scheme, in_features, out_features)
     if layer.group_size % 2 and layer.group_size < in_features:
         assert "cpu_native_w4a16" not in [k.name for k in candidates(layer)]  # an odd group starts mid-byte
@@ -272,14 +273,47 @@ def test_int4_weight_kernel_matches_the_reference_in_fp32(ops, scheme, in_featur
     if count > 16:
         assert torch.equal(found, expected)
     else:
-        torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
+        assert within_split_rounding(found, expected, x, layer.dequantize())
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-g32-asym", "w4a16-g64", "w4a16-g128-asym", "w4a16-g96-asym"])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 19), (2048, 40), (100, 7), (101, 5), (8192, 6)])
+@pytest.mark.parametrize("count", [1, 4, 6])
+@pytest.mark.parametrize("bf16_dot", [False, True])
+def test_both_int4_decode_paths_match_the_reference(ops, scheme, in_features, out_features, count, bf16_dot):
+    """The table-lookup path (fp32 activations) and the bf16 dot-product path (activations split into two bf16
+    numbers, 16 significant bits) against the reference's fp32 weight and matmul. Sizes cover a last block of 128
+    columns cut short (576, 100), an odd width (101, a padding nibble), channel counts that are not multiples of the
+    tile of 4, and rows in fours and left over."""
+    layer = int4_layer(scheme, in_features, out_features)
+    zeros = layer.zeros.float() if layer.zeros is not None else None
+    x = rows(count, in_features)
+    found = ops.int4_weight_matmul(x, layer.qweight, layer.scales.float(), zeros, layer.group_size, bf16_dot)
+    expected = x @ layer.dequantize().t()
+    assert within_split_rounding(found, expected, x, layer.dequantize())
+
+
+def within_split_rounding(found: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """|found - expected| within 2e-5 of sum_i |x_i w_i|, which bounds what rounding x moves a sum by: below 2^-16
+    of it for activations split into two bf16 numbers, 2^-24 in fp32, plus the float sums' own rounding."""
+    return bool(((found - expected).abs() <= (x.abs() @ weight.abs().t()) * 2e-5 + 1e-6).all())
+
+
+def test_the_bf16_dot_path_is_built_where_the_cpu_has_it(ops):
+    has_it = torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+    assert ops.bf16_dot_built() == has_it
+    if has_it:  # and the flag takes it: the two paths round differently
+        layer = int4_layer("w4a16-g128", 2048, 8)
+        x = rows(1, 2048)
+        paths = [ops.int4_weight_matmul(x, layer.qweight, layer.scales.float(), None, 128, flag) for flag in (0, 1)]
+        assert not torch.equal(*paths)
 
 
 def test_int4_operators_refuse_mismatched_buffers(ops):
     layer = int4_layer("w4a16-g32-asym", 100, 7)
     scales, zeros = layer.scales.float(), layer.zeros.float()
     with pytest.raises(RuntimeError, match="packed must be"):
-        ops.int4_weight_matmul(rows(1, 90), layer.qweight, scales, zeros, 32)
+        ops.int4_weight_matmul(rows(1, 90), layer.qweight, scales, zeros, 32, True)
     with pytest.raises(RuntimeError, match="scales must be"):
         ops.dequantize_int4(layer.qweight, scales[:, :2], None, 100, 32)
     with pytest.raises(RuntimeError, match="zeros must match"):

@@ -143,13 +143,15 @@ class NativeInt8WeightOnlyKernel(Int8WeightOnlyKernel):
 
 
 class NativeInt4WeightOnlyKernel:
-    """W4A16 on the fused operators, fp32 throughout: each weight dequantized exactly as the reference does it (one
-    table lookup in AVX-512 instead of five PyTorch operators over the whole matrix). Up to `DIRECT_ROWS` rows the
-    weights are dequantized in registers and multiplied with fp32 activations (equal to the reference to fp32
-    rounding, where PyTorch's int4 operator rounds activations, scales and outputs to bf16); above, the fp32 weight
-    is dequantized into memory in one pass and multiplied by PyTorch's fp32 GEMM, as the reference does (bit for
-    bit its result, several times faster). 4-bit codes (2/3-bit layers store theirs densely: not taken); on a
-    non-uniform grid (scheme.grid) each group's table is levels x scale instead of (code - zero) x scale."""
+    """W4A16 on the fused operators. Up to `DIRECT_ROWS` rows the weights are decoded in registers: on CPUs with
+    AVX-512 BF16, codes of groups that are multiples of 32 columns become exact bf16 integers and are multiplied by
+    bf16 dot products with the activations split into two bf16 numbers (16 significant bits, more than fp16's 11;
+    within 2^-16 of sum |x w| of the fp32 reference, where PyTorch's int4 operator rounds activations, scales and
+    outputs to bf16); otherwise each weight is dequantized exactly as the reference does it (one AVX-512 table
+    lookup) and multiplied with fp32 activations. Above, the fp32 weight is dequantized into memory in one pass and
+    multiplied by PyTorch's fp32 GEMM, as the reference does (bit for bit its result, several times faster). 4-bit
+    codes (2/3-bit layers store theirs densely: not taken); on a non-uniform grid (scheme.grid) each group's table is
+    levels x scale instead of (code - zero) x scale, always on the fp32 table path."""
 
     name = "cpu_native_w4a16"
     DIRECT_ROWS = 16
@@ -169,7 +171,7 @@ class NativeInt4WeightOnlyKernel:
         if x.shape[0] <= self.DIRECT_ROWS:
             with scope(NATIVE_GEMM):
                 return ops.int4_weight_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"],
-                                              layer.group_size)
+                                              layer.group_size, True)
         with scope(LOAD_WEIGHTS):
             weight = ops.dequantize_int4(layer.qweight, prepared["scales"], prepared["zeros"], layer.in_features,
                                          layer.group_size)

@@ -49,11 +49,15 @@ _FLAGS_BY_CAPABILITY = {
 
 
 def isa_flags(capability: str) -> list[str]:
-    """Instruction-set flags for PyTorch's CPU capability, plus AVX-512 VNNI where the CPU has it: the W4A8 kernel's
-    int8 dot product is one instruction with it (`_mm512_dpbusd_epi32`) and an AVX512-BW pair without."""
+    """Instruction-set flags for PyTorch's CPU capability, plus AVX-512 VNNI and BF16 where the CPU has them: the
+    W4A8 kernel's int8 dot product is one instruction with VNNI (`_mm512_dpbusd_epi32`) and an AVX512-BW pair
+    without; the W4A16 decode kernel multiplies 32 weights by one instruction with BF16 (`_mm512_dpbf16_ps`) and
+    falls back to its table lookups without."""
     flags = list(_FLAGS_BY_CAPABILITY.get(capability, []))
     if capability == "AVX512" and torch.cpu._is_vnni_supported():
         flags.append("-mavx512vnni")
+    if capability == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        flags.append("-mavx512bf16")
     return flags
 
 
