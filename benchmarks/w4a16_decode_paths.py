@@ -14,6 +14,7 @@ disturbed by other work on a shared machine). Reported: milliseconds, GB/s of co
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -64,9 +65,8 @@ def measure(shapes, threads: list[int], rows: list[int], rounds: int, per_round:
             x = torch.randn(count, in_f, generator=torch.Generator().manual_seed(1))
             for thread_count in threads:
                 torch.set_num_threads(thread_count)
-                calls = {path: (lambda flag=flag: ops.int4_weight_matmul(x, layer.qweight, scales, None,
-                                                                          layer.group_size, flag))
-                         for path, flag in PATHS.items()}
+                calls = {path: functools.partial(ops.int4_weight_matmul, x, layer.qweight, scales, None,
+                                                 layer.group_size, flag) for path, flag in PATHS.items()}
                 ms = best_round_ms(calls, rounds, per_round)
                 row = {"model": model, "layer": name, "in": in_f, "out": out_f, "rows": count,
                        "threads": thread_count, **{f"{p}_ms": ms[p] for p in PATHS},
