@@ -1,6 +1,6 @@
-"""Decode speed at real sizes: a synthetic checkpoint (benchmarks/make_synthetic.py) quantized W8A16, W8A8 and
-W4A16 g128 with the LM head quantized, against the machine's bandwidth bound and against llama.cpp on the same
-weights exported to GGUF, in one run.
+"""Decode speed at real sizes: a synthetic checkpoint (benchmarks/make_synthetic.py) quantized W8A16, W8A8,
+W4A16 g128 and W4A8 g128 with the LM head quantized, against the machine's bandwidth bound and against llama.cpp
+on the same weights exported to GGUF, in one run.
 
     python benchmarks/scale_speed.py DIR --work SCRATCH [--llama-bench PATH] [--threads 2] [--repeats 3]
         [--prompt-tokens 32] [--new-tokens 16] [--timeout 1800] [--keep] [--out benchmarks/results/scale_speed.json]
@@ -11,13 +11,14 @@ weights exported to GGUF, in one run.
    `llmeasyquant export --to gguf --no-check`; each g32 checkpoint is deleted once exported.
 2. Per scheme of ours, in turn (one checkpoint on disk and in memory at a time): quantize it
    (`llmeasyquant quantize DIR --method rtn ... --lm-head HEAD --stream`: W8A16 with head w8a16, W8A8 with head
-   w8a16 (the head is weight-only), W4A16 g128 with head w4a16-g128), load it (export/checkpoint.load, as `bench`
-   does), fuse q/k/v and gate/up (as `bench` does), then `--repeats` rounds, each: the machine's read bandwidth
-   (eval/bench.py), our greedy decode on the lean loop (a `--prompt-tokens` prompt of seeded random ids, then
-   `--new-tokens` tokens; tokens/s over the steps after the first), then one `llama-bench -p 0 -n NEW -r 1` per
-   GGUF of the same bits (Q8_0 beside W8A16 and W8A8; Q4_0 and Q4_1 beside W4A16). Medians over rounds. The load
-   average and available memory are recorded with every measurement (the machine is shared). Its record is
-   written (merged into --out by model and scheme) and its checkpoint deleted before the next scheme starts.
+   w8a16 (the head is weight-only), W4A16 g128 and W4A8 g128 with head w4a16-g128), load it
+   (export/checkpoint.load, as `bench` does), fuse q/k/v and gate/up (as `bench` does), then `--repeats` rounds,
+   each: the machine's read bandwidth (eval/bench.py), our greedy decode on the lean loop (a `--prompt-tokens`
+   prompt of seeded random ids, then `--new-tokens` tokens; tokens/s over the steps after the first), then one
+   `llama-bench -p 0 -n NEW -r 1` per GGUF of the same bits (Q8_0 beside W8A16 and W8A8; Q4_0 and Q4_1 beside
+   W4A16 and W4A8). Medians over rounds. The load average and available memory are recorded with every
+   measurement (the machine is shared). Its record is written (merged into --out by model and scheme) and its
+   checkpoint deleted before the next scheme starts.
    Outputs already in --work are reused; --keep keeps them all.
 3. Bytes per decoded token: every weight a step reads once (codes, scales, zero points, norms, the quantized LM
    head; one row of the embedding table, not counted), from the checkpoint as stored
@@ -60,12 +61,15 @@ OURS = {
     "w8a16": (["--bits", "8"], "w8a16"),
     "w8a8": (["--bits", "8", "--act-bits", "8"], "w8a16"),
     "w4a16-g128": (["--bits", "4", "--group-size", "128"], "w4a16-g128"),
+    # int8 activations and integer dot products, as llama.cpp's Q4_0 x Q8_0 dot product does (its activations in
+    # blocks of 32, ours per token)
+    "w4a8-g128": (["--bits", "4", "--group-size", "128", "--act-bits", "8"], "w4a16-g128"),
 }
 # GGUF type: (flags of the RTN g32 checkpoint whose codes it holds exactly, head scheme, our schemes it runs beside)
 PEERS = {
     "Q8_0": (["--bits", "8", "--group-size", "32"], "w8a16-g32", ("w8a16", "w8a8")),
-    "Q4_0": (["--bits", "4", "--group-size", "32"], "w4a16-g32", ("w4a16-g128",)),
-    "Q4_1": (["--bits", "4", "--group-size", "32", "--asym"], "w4a16-g32-asym", ("w4a16-g128",)),
+    "Q4_0": (["--bits", "4", "--group-size", "32"], "w4a16-g32", ("w4a16-g128", "w4a8-g128")),
+    "Q4_1": (["--bits", "4", "--group-size", "32", "--asym"], "w4a16-g32-asym", ("w4a16-g128", "w4a8-g128")),
 }
 
 

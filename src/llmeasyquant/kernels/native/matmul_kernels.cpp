@@ -390,7 +390,8 @@ template <int64_t R, int64_t C>
 void int4_channels_bf16(const Int4Weights& weights, int64_t o, const SplitActivations& x, int64_t first_row,
                         float* sums) {
   const uint8_t* p = weights.packed + o * weights.row_bytes;
-  // The next tile's bytes, a cache line a channel at each block: decode reads every weight once, from memory.
+  // The bytes of the tile kPrefetchChannels on, a cache line a channel at each block: decode reads every weight once,
+  // from memory.
   const uint8_t* ahead = o + C + kPrefetchChannels <= weights.out ? p + kPrefetchChannels * weights.row_bytes : nullptr;
   __m512 total[R][C];
   for (int64_t r = 0; r < R; ++r)
@@ -403,7 +404,7 @@ void int4_channels_bf16(const Int4Weights& weights, int64_t o, const SplitActiva
     __m512i words[C][4];
     __m512 lane_scale[C];
     if (ahead != nullptr)
-      for (int64_t c = 0; c < kPrefetchChannels; ++c) __builtin_prefetch(ahead + c * weights.row_bytes + b / 2, 0, 3);
+      for (int64_t c = 0; c < C; ++c) __builtin_prefetch(ahead + c * weights.row_bytes + b / 2, 0, 3);
     for (int64_t c = 0; c < C; ++c) {
       centred_words(_mm512_maskz_loadu_epi8(byte_mask, p + c * weights.row_bytes + b / 2), words[c]);
       lane_scale[c] = _mm512_permutexvar_ps(
@@ -439,16 +440,18 @@ void int4_channels_bf16(const Int4Weights& weights, int64_t o, const SplitActiva
   }
 }
 
-// Rows four at a time; channels four at a time, the last few one by one.
+// Rows four at a time, each tile of four channels in two halves then (four rows by four channels would want 32
+// accumulators, all the registers there are, and spill); the last few channels one by one.
 template <int64_t R>
 void int4_rows_bf16(const Int4Weights& weights, const SplitActivations& x, int64_t first_row, int64_t begin,
                     int64_t end, float* y) {
-  float sums[R * kTileChannels];
+  constexpr int64_t C = R == 1 ? kTileChannels : kTileChannels / 2;
+  float sums[R * C];
   int64_t o = begin;
-  for (; o + kTileChannels <= end; o += kTileChannels) {
-    int4_channels_bf16<R, kTileChannels>(weights, o, x, first_row, sums);
+  for (; o + C <= end; o += C) {
+    int4_channels_bf16<R, C>(weights, o, x, first_row, sums);
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < kTileChannels; ++c) y[(first_row + r) * weights.out + o + c] = sums[r * kTileChannels + c];
+      for (int64_t c = 0; c < C; ++c) y[(first_row + r) * weights.out + o + c] = sums[r * C + c];
   }
   for (; o < end; ++o) {
     int4_channels_bf16<R, 1>(weights, o, x, first_row, sums);
