@@ -1,4 +1,4 @@
-"""The W4A16 decode kernel's two paths, layer by layer, at Llama-3.2-1B and Llama-3-8B shapes.
+"""The W4A16 decode kernel's two paths, layer by layer, at SmolLM2-135M, Llama-3.2-1B and Llama-3-8B shapes.
 
     python benchmarks/w4a16_decode_paths.py [--threads 1,2] [--rounds 7] [--calls 10]
         [--out benchmarks/results/w4a16_decode_paths.json]
@@ -27,6 +27,8 @@ from llmeasyquant.record import Record, write_records
 
 # (model, layer, in, out): the linears of a decoder block, q/k/v and gate/up fused as `bench` runs them.
 SHAPES = (
+    ("smollm2-135m", "qkv", 576, 960), ("smollm2-135m", "o", 576, 576), ("smollm2-135m", "k", 576, 192),
+    ("smollm2-135m", "gate_up", 576, 3072), ("smollm2-135m", "down", 1536, 576),
     ("llama-3.2-1b", "qkv", 2048, 3072), ("llama-3.2-1b", "o", 2048, 2048),
     ("llama-3.2-1b", "gate_up", 2048, 16384), ("llama-3.2-1b", "down", 8192, 2048),
     ("llama-3-8b", "qkv", 4096, 6144), ("llama-3-8b", "o", 4096, 4096),
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,4", help="comma-separated rows of activations (decode batch sizes)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=10, help="calls per path per round")
-    parser.add_argument("--models", default="llama-3.2-1b,llama-3-8b", help="which models' shapes")
+    parser.add_argument("--models", default="llama-3.2-1b,llama-3-8b",
+                        help="which models' shapes (smollm2-135m, llama-3.2-1b, llama-3-8b)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/w4a16_decode_paths.json"))
     args = parser.parse_args(argv)
     ops = native.ops()

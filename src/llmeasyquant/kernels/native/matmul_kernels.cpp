@@ -350,18 +350,21 @@ struct SplitActivations {
       for (int64_t l = 0; l < 16; ++l)
         lane_group.push_back(static_cast<int32_t>(std::min(groups - 1, (b + 32 * (l / 4)) / group_size) - g0));
     }
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < padded; b += kBlockColumns)
-        for (int64_t v = 0; v < 4; ++v)
-          for (int64_t p = 0; p < 32; ++p) {
-            const int64_t byte = 16 * (p / 8) + 8 * (v % 2) + p % 8, column = b + 2 * byte + v / 2;
-            if (column >= width) continue;
-            const float value = x[r * width + column];
-            const c10::BFloat16 high(value), low(value - static_cast<float>(high));
-            hi[r * padded + b + 32 * v + p] = high.x;
-            lo[r * padded + b + 32 * v + p] = low.x;
-            column_sums[r * groups + column / group_size] += static_cast<float>(high) + static_cast<float>(low);
-          }
+    // Columns in their own order, each to its place (shifts and masks only: this runs on every call, and a
+    // division per column cost more than a small layer's whole product); the group advances at its boundary.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sums = column_sums.data() + r * groups;
+      for (int64_t column = 0, g = 0, group_end = group_size; column < width; ++column) {
+        if (column == group_end) ++g, group_end += group_size;
+        const int64_t j = column % kBlockColumns, byte = j >> 1, lane = byte >> 4, half = (byte >> 3) & 1;
+        const int64_t place = r * padded + column - j + 32 * (2 * (j & 1) + half) + 8 * lane + (byte & 7);
+        const float value = x[r * width + column];
+        const c10::BFloat16 high(value), low(value - static_cast<float>(high));
+        hi[place] = high.x;
+        lo[place] = low.x;
+        sums[g] += static_cast<float>(high) + static_cast<float>(low);
+      }
+    }
   }
 };
 
