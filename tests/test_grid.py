@@ -133,3 +133,43 @@ def test_importance_moves_error_off_important_columns():
 def test_grid_levels_unknown():
     with pytest.raises(Exception, match="unknown weight grid"):
         grid_levels("nf3")
+
+
+# 3-bit learned tables ------------------------------------------------------------------------------------------
+
+def test_normal_float_levels_of_eight_keep_an_exact_zero_and_the_ends():
+    levels = nf4_levels(8)
+    assert levels.shape == (8,) and bool((levels[1:] > levels[:-1]).all())
+    assert levels[0] == -1 and levels[-1] == 1 and levels[3] == 0  # 4 positive levels, 3 negative
+    assert torch.equal(grid_levels("learned", 3), levels)
+    assert torch.equal(nf4_levels(), nf4_levels(16))
+
+
+def test_three_bit_learned_grid_codes_and_tables():
+    w = _weight()
+    qp = choose_qparams(w, 3, True, PerGroup(64), grid="learned")
+    codes = quantize(w, qp, 3)
+    assert qp.levels.shape == (48, 8) and torch.equal(qp.levels.half().float(), qp.levels)
+    assert int(codes.min()) >= -4 and int(codes.max()) <= 3
+    scale = qp.scale.repeat_interleave(64, dim=1)
+    assert torch.equal(dequantize(codes, qp), torch.gather(qp.levels, 1, codes.long() + 4) * scale)
+    # Each value takes its nearest level of its row's table.
+    best = (w[..., None] - qp.levels[:, None, :] * scale[..., None]).abs().amin(dim=-1)
+    assert bool(((w - dequantize(codes, qp)).abs() <= best + 1e-7).all())
+
+
+def test_three_bit_learned_grid_beats_uniform_three_bit_codes():
+    w = _weight()
+
+    def error(grid: str | None, symmetric: bool) -> float:
+        qp = choose_qparams(w, 3, symmetric, PerGroup(64), grid=grid)
+        return float((w - dequantize(quantize(w, qp, 3), qp)).square().sum() / w.square().sum())
+
+    assert error("learned", True) < 0.8 * min(error(None, True), error(None, False))
+    assert error("learned", True) > _relative_error(w, "learned")  # 8 levels lose more than 16
+
+
+def test_three_bit_learned_grid_is_deterministic():
+    w = _weight(seed=5)
+    a, b = (choose_qparams(x, 3, True, PerGroup(64), grid="learned") for x in (w, w.clone()))
+    assert torch.equal(a.scale, b.scale) and torch.equal(a.levels, b.levels)

@@ -349,6 +349,22 @@ def test_grid_refuses_what_it_cannot_hold(kwargs, message):
         QuantScheme(grid="nf4", **kwargs)
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_learned_grid_takes_three_or_four_bits(bits):
+    scheme = parse_scheme(f"w{bits}a16-g64-learned")
+    assert scheme.bits == bits and scheme.grid == "learned"
+    assert QuantScheme.from_dict(scheme.to_dict()) == scheme
+
+
+@pytest.mark.parametrize(("bits", "grid", "message"), [
+    (2, "learned", "3- or 4-bit weights"), (8, "learned", "3- or 4-bit weights"),
+    (3, "nf4", "needs 4-bit weights"), (3, "iq4nl", "needs 4-bit weights"),
+])
+def test_grid_bits_it_cannot_take(bits, grid, message):
+    with pytest.raises(ConfigError, match=message):
+        QuantScheme(bits=bits, granularity=PerGroup(64), grid=grid)
+
+
 def test_unknown_grid_names_the_choices():
     with pytest.raises(ConfigError, match="nf4, iq4nl, learned"):
         QuantScheme(bits=4, grid="nf3")

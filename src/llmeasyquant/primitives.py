@@ -2,7 +2,7 @@
 
 Codes live in the signed domain [-2^(b-1), 2^(b-1) - 1] for every bit width, with an integer zero point
 (0 when symmetric), so that x ≈ (q - zero) * scale. Tensors are 2-D [rows, cols]; groups run along cols.
-With a non-uniform 4-bit grid (QParams.levels, grid.py) x ≈ levels[q + 8] * scale instead.
+With a non-uniform grid (QParams.levels, grid.py) x ≈ levels[q + L/2] * scale instead (L levels: 16, or 8 at 3 bits).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def qrange(bits: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class QParams:
     """Scales [rows, groups] (float32), zero points [rows, groups] (int32, None when symmetric), group width, and for
-    a non-uniform grid its levels [1, 16] (shared) or [rows, 16] (per row), float32 (then no zero points)."""
+    a non-uniform grid its levels [1, L] (shared) or [rows, L] (per row), float32 (then no zero points)."""
 
     scale: torch.Tensor
     zero: torch.Tensor | None
@@ -84,7 +84,7 @@ def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Gra
 
     The range always includes zero so that zero is exact. Scales are rounded to `scale_dtype` (the storage
     type) before codes are computed, so stored weights dequantize to exactly what was evaluated.
-    With a `grid` (4-bit, symmetric) the scales (and a learned grid's tables) are searched by grid.py instead, for the
+    With a `grid` (symmetric) the scales (and a learned grid's tables) are searched by grid.py instead, for the
     least squared error weighted per column by `importance` [cols] (e.g. GPTQ's Hessian diagonal); always fp16-exact.
     """
     if grid is not None:
@@ -93,7 +93,7 @@ def choose_qparams(x: torch.Tensor, bits: int, symmetric: bool, granularity: Gra
         width = group_width(granularity, x.shape[1])
         if isinstance(granularity, PerTensor):
             raise ValueError("a grid's scales are per group or per channel, not per tensor")
-        scale, levels = grid_params(x.detach().float(), grid, width, importance)
+        scale, levels = grid_params(x.detach().float(), grid, width, importance, bits)
         return QParams(scale=scale, zero=None, group_size=width, levels=levels)
     lo, hi, width = group_ranges(x, granularity)
     qmin, qmax = qrange(bits)
@@ -115,7 +115,7 @@ def expand_groups(params: torch.Tensor, width: int, rows: int, cols: int) -> tor
 
 
 def quantize(x: torch.Tensor, qp: QParams, bits: int) -> torch.Tensor:
-    """Float [rows, cols] -> int8 codes in the signed range of `bits` (on a grid: the nearest level's index - 8)."""
+    """Float [rows, cols] -> int8 codes in the signed range of `bits` (on a grid: the nearest level's index - L/2)."""
     rows, cols = x.shape
     if qp.levels is not None:
         return grid_codes(x, expand_groups(qp.scale, qp.group_size, rows, cols), qp.levels)
@@ -127,7 +127,7 @@ def quantize(x: torch.Tensor, qp: QParams, bits: int) -> torch.Tensor:
 
 
 def dequantize(codes: torch.Tensor, qp: QParams) -> torch.Tensor:
-    """int8 codes [rows, cols] -> float32 values (q - zero) * scale (on a grid: levels[q + 8] * scale)."""
+    """int8 codes [rows, cols] -> float32 values (q - zero) * scale (on a grid: levels[q + L/2] * scale)."""
     rows, cols = codes.shape
     if qp.levels is not None:
         return grid_values(codes, expand_groups(qp.scale, qp.group_size, rows, cols), qp.levels)

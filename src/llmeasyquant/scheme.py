@@ -10,9 +10,10 @@ from llmeasyquant.errors import ConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 ACT_BITS = (4, 8)  # activation bit widths; 4-bit codes are stored and multiplied as int8
-# Non-uniform 4-bit weight grids (grid.py): a weight is table[code] * scale. 'nf4' the NormalFloat levels (QLoRA),
-# 'iq4nl' llama.cpp's IQ4_NL table, 'learned' a 16-level table per row fitted to the weights.
+# Non-uniform weight grids (grid.py): a weight is table[code] * scale. 'nf4' the NormalFloat levels (QLoRA),
+# 'iq4nl' llama.cpp's IQ4_NL table (both 4-bit), 'learned' a table per row fitted to the weights (3 or 4 bits).
 GRIDS = ("nf4", "iq4nl", "learned")
+LEARNED_BITS = (3, 4)  # a learned table of 8 levels takes 3-bit codes, one of 16 4-bit codes
 
 
 @dataclass(frozen=True)
@@ -186,11 +187,14 @@ class QuantScheme:
 
 
 def _check_grid(scheme: QuantScheme) -> None:
-    """A non-uniform grid is a 16-entry table of symmetric (zero-point free) weight levels run on float activations."""
+    """A non-uniform grid is a table of 2^bits symmetric (zero-point free) weight levels run on float activations."""
     if scheme.grid not in GRIDS:
         raise ConfigError(f"unknown weight grid {scheme.grid!r}; choose one of {', '.join(GRIDS)} (or none for "
                           "uniform integer codes)")
-    if scheme.bits != 4:
+    if scheme.grid == "learned" and scheme.bits not in LEARNED_BITS:
+        raise ConfigError(f"the learned grid fits 8 or 16 levels: it needs 3- or 4-bit weights (--bits 3 or 4), got "
+                          f"{scheme.bits} bits")
+    if scheme.grid != "learned" and scheme.bits != 4:
         raise ConfigError(f"the {scheme.grid} grid has 16 levels: it needs 4-bit weights (--bits 4), got "
                           f"{scheme.bits} bits")
     if not scheme.symmetric:

@@ -381,9 +381,23 @@ def test_cli_grid_quantizes_rtn_and_gptq(llama_folder, wiki_text, tmp_path, caps
     assert {m.scheme.grid for m in layers} == {"learned"} and all(m.levels is not None for m in layers)
 
 
+def test_cli_three_bit_learned_grid_quantizes_and_evaluates(llama_folder, wiki_text, tmp_path, capsys):
+    out = tmp_path / "w3"
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "gptq", "--bits", "3", "--group-size", "32",
+                 "--grid", "learned", "--calib", str(wiki_text), "--calib-samples", "2", "--calib-seqlen", "32",
+                 "--out", str(out)]) == 0
+    layers = [m for m in lq.load(out)[0].modules() if isinstance(m, lq.QuantLinear)]
+    assert {m.scheme.name for m in layers} == {"w3a16-g32-learned"}
+    assert all(tuple(m.levels.shape) == (m.out_features, 8) for m in layers)
+    assert main(["--quiet", "eval", str(out), "--text", str(wiki_text), "--max-windows", "2", "--seqlen", "32"]) == 0
+
+
 def test_cli_grid_needs_four_bits(llama_folder, tmp_path, capsys):
     assert main(["--quiet", "quantize", str(llama_folder), "--grid", "nf4", "--out", str(tmp_path / "x")]) == 2
     assert "--bits 4" in capsys.readouterr().err
+    assert main(["--quiet", "quantize", str(llama_folder), "--bits", "2", "--grid", "learned",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--bits 3 or 4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["quantize", str(llama_folder), "--bits", "4", "--grid", "nf5", "--out", str(tmp_path / "y")])
 

@@ -396,7 +396,7 @@ def test_quantization_config_naming_a_module_that_is_not_linear(ckpt: Path) -> N
 # non-uniform grids ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-iq4nl", "w4a16-g32-learned"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-iq4nl", "w4a16-g32-learned", "w3a16-g32-learned"])
 def test_grid_round_trip_gives_exactly_the_same_logits(tiny_llama, random_ids: torch.Tensor, tmp_path: Path,
                                                        scheme: str) -> None:
     model = _quantize(tiny_llama, scheme)
@@ -411,10 +411,11 @@ def test_grid_round_trip_gives_exactly_the_same_logits(tiny_llama, random_ids: t
             assert theirs.levels.dtype == torch.float16 and torch.equal(theirs.levels, layer.levels)
 
 
-def test_learned_grid_tables_count_in_bits_per_weight(tiny_llama) -> None:
-    model = _quantize(copy.deepcopy(tiny_llama), "w4a16-g32-learned")
+@pytest.mark.parametrize("bits", [3, 4])
+def test_learned_grid_tables_count_in_bits_per_weight(tiny_llama, bits: int) -> None:
+    model = _quantize(copy.deepcopy(tiny_llama), f"w{bits}a16-g32-learned")
     layers = quantized_layers(model).values()
     weights = sum(m.in_features * m.out_features for m in layers)
-    tables = sum(m.out_features * 16 * 16 for m in layers)  # 16 fp16 levels a row
-    assert bits_per_weight(model) == pytest.approx(4.5 + tables / weights, rel=1e-12)
+    tables = sum(m.out_features * 2**bits * 16 for m in layers)  # 2^bits fp16 levels a row
+    assert bits_per_weight(model) == pytest.approx(bits + 0.5 + tables / weights, rel=1e-12)
     assert bits_per_weight(_quantize(copy.deepcopy(tiny_llama), "w4a16-g32-nf4")) == pytest.approx(4.5)

@@ -110,6 +110,14 @@ def test_refusals(make_model, tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir()), "a refused export left files behind"
 
 
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-iq4nl", "w3a16-g32-learned"])
+def test_grid_layers_are_refused_not_rewritten_as_uniform_codes(make_model, tmp_path: Path, scheme: str) -> None:
+    """compressed-tensors would round table[code] x scale again onto uniform codes of that scale: other weights."""
+    with pytest.raises(ConfigError, match=r"non-uniform .* grid.*export to gguf"):
+        export_compressed_tensors(_quantize(make_model("llama"), scheme), None, tmp_path / "out")
+    assert not list(tmp_path.iterdir()), "a refused export left files behind"
+
+
 def test_existing_output_needs_force(tiny_llama, tmp_path: Path) -> None:
     model = _quantize(tiny_llama, "w8a16")
     out = tmp_path / "ct"

@@ -374,7 +374,7 @@ def test_iq4nl_grid_is_written_as_iq4_nl_bit_for_bit(make_model, scheme: str, tm
     assert _field(result.path, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_IQ4_NL)
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned", "w4a16-g48-iq4nl"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned", "w4a16-g48-iq4nl", "w3a16-g32-learned"])
 def test_other_grids_are_requantized_to_iq4_nl_and_noted(make_model, scheme: str, tmp_path: Path) -> None:
     model = _quantize(make_model("llama"), scheme)
     result = export_gguf(model, None, tmp_path / "m.gguf")

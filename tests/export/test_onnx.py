@@ -202,6 +202,15 @@ def test_four_bit_activations_are_refused(make_model, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w3a16-g32-learned"])
+def test_grid_layers_are_refused(make_model, tmp_path: Path, scheme: str) -> None:
+    """DequantizeLinear computes (code - zero) x scale: a grid's table[code] x scale has no ONNX form here."""
+    model = _quantize(make_model("llama"), lq.parse_scheme(scheme))
+    with pytest.raises(lq.ConfigError, match=r"non-uniform .* grid.*export to gguf"):
+        export_onnx(model, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_that_is_not_quantized_is_refused(make_model, tmp_path: Path) -> None:
     with pytest.raises(lq.ConfigError, match="quantize it"):
         export_onnx(make_model("llama"), None, tmp_path / "out")

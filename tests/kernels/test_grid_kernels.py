@@ -1,5 +1,6 @@
-"""Non-uniform 4-bit grids on the kernels: the native table-lookup W4A16 operators against the reference, and the
-kernels that assume uniform codes refusing grid layers."""
+"""Non-uniform grids on the kernels: the native table-lookup W4A16 operators against the reference (4-bit grids, and
+3-bit learned ones with their codes widened to nibbles), and the kernels that assume uniform codes refusing grid
+layers."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import torch
 
 import llmeasyquant as lq
 from llmeasyquant.kernels import candidates, native
-from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel
+from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel, NativeInt4WeightOnlyKernel
 from llmeasyquant.kernels.triton.layers import TritonW4A16Kernel
 from llmeasyquant.nn.qlinear import forced_kernel
 
 # Also run by tests/kernels/test_native_ops.py's W4A16 matmul test, beside the uniform schemes.
-GRID_SCHEMES = ["w4a16-g64-nf4", "w4a16-g32-iq4nl", "w4a16-g64-learned", "w4a16-nf4", "w4a16-g30-learned"]
+GRID_SCHEMES = ["w4a16-g64-nf4", "w4a16-g32-iq4nl", "w4a16-g64-learned", "w4a16-nf4", "w4a16-g30-learned",
+                "w3a16-g64-learned", "w3a16-learned"]
 
 
 def grid_layer(scheme: str, in_features: int, out_features: int) -> lq.QuantLinear:
@@ -68,11 +70,23 @@ def test_dequantize_int4_levels_is_the_reference_weight_bit_for_bit(ops, scheme,
     layer = grid_layer(scheme, in_features, out_features)
     if layer.group_size % 2 and layer.group_size < in_features:
         return  # odd groups start mid-byte: not the operator's layout (the kernel is not offered, below)
-    levels = layer.grid_levels()
-    levels = levels.reshape(16) if levels.shape[0] == 1 else levels
-    found = ops.dequantize_int4_levels(layer.qweight, layer.scales.float(), levels.contiguous(), in_features,
+    prepared = NativeInt4WeightOnlyKernel().prepare(layer)  # what the kernel hands the operator
+    assert prepared["levels"].shape[-1] == 16
+    found = ops.dequantize_int4_levels(prepared["qweight"], prepared["scales"], prepared["levels"], in_features,
                                        layer.group_size)
     assert torch.equal(found, layer.dequantize())
+
+
+def test_three_bit_learned_layer_stores_three_bits_and_widens_only_for_the_kernel():
+    layer = grid_layer("w3a16-g64-learned", 128, 8)
+    assert layer.qweight.shape == (8, 48) and layer.levels.shape == (8, 8)  # 3 bits a weight, 8 levels a row
+    codes = layer.codes()
+    assert int(codes.min()) >= -4 and int(codes.max()) <= 3
+    prepared = NativeInt4WeightOnlyKernel().prepare(layer)
+    assert prepared["qweight"].shape == (8, 64)
+    # The 8 levels sit where codes -4..3 plus 8 land; the padding repeats the ends.
+    assert torch.equal(prepared["levels"][:, 4:12], layer.levels.float())
+    assert torch.equal(prepared["levels"][:, :4], layer.levels.float()[:, :1].expand(8, 4))
 
 
 @needs_compiler

@@ -96,7 +96,7 @@ def test_each_method_has_a_default_scheme_used_when_none_is_given(llama_folder, 
     assert {m.scheme.name for m in model.modules() if isinstance(m, lq.QuantLinear)} == {"w3a16"}
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned", "w3a16-g32-learned"])
 def test_scale_search_on_a_grid_never_worsens_the_layer(scheme):
     weight, h = layer_and_inputs()
     s = lq.parse_scheme(scheme)

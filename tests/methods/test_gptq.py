@@ -120,7 +120,8 @@ def test_act_order_is_the_default():
     assert lq.GPTQ().act_order is True
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g48-iq4nl", "w4a16-g32-learned", "w4a16-nf4"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g48-iq4nl", "w4a16-g32-learned", "w4a16-nf4",
+                                    "w3a16-g32-learned"])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_on_a_grid_beats_rtn_on_the_same_grid(scheme, act_order):
     width, out = 160, 48

@@ -171,7 +171,7 @@ def test_a_batch_of_prompts_is_refused_not_joined():
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
-@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-nf4", "w4a16-g32-learned", "w3a16-g32-learned"])
 def test_grid_layers_run_in_the_lean_decoder_as_in_transformers(scheme, fuse):
     """Grid layers run through QuantLinear's kernels (the table-lookup W4A16 one) in the lean loop; fused groups
     carry a learned grid's per-row tables as they carry the scales."""

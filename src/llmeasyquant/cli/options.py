@@ -45,9 +45,10 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, help="weights per scale along the input dimension (default: per channel)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero-point) weights instead of symmetric (AbsMax)")
     p.add_argument("--grid", choices=GRIDS,
-                   help="with --bits 4: a non-uniform 16-level grid, weight = table[code] x scale (symmetric, one "
-                   "fp16 scale per group): 'nf4' NormalFloat levels, 'iq4nl' llama.cpp's IQ4_NL table (exported "
-                   "to GGUF IQ4_NL exactly), 'learned' a table per row fitted to the weights (default: uniform codes)")
+                   help="a non-uniform grid, weight = table[code] x scale (symmetric, one fp16 scale per group): with "
+                   "--bits 4 'nf4' NormalFloat levels, 'iq4nl' llama.cpp's IQ4_NL table (exported to GGUF IQ4_NL "
+                   "exactly); 'learned' a table per row fitted to the weights, 16 levels with --bits 4 or 8 with "
+                   "--bits 3 (default: uniform codes)")
     p.add_argument("--act-bits", type=int, choices=(4, 8, 16),
                    help="8: dynamic per-token int8 activations (W8A8, W4A8 on integer kernels); 4: 4-bit ones (W4A4: "
                    "with a rotation, --method rotate+gptq); 16: float activations")

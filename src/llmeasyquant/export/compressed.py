@@ -55,6 +55,11 @@ def _input_args(scheme: QuantScheme, ct: object) -> object | None:
 
 def _check_layer(name: str, layer: QuantLinear) -> None:
     layer.check_input_scale(name)
+    if layer.scheme.grid is not None:
+        raise ConfigError(f"layer {name} is on the non-uniform {layer.scheme.grid} grid "
+                          "(weight = table[code] x scale); "
+                          "compressed-tensors stores uniform integer codes only, so its codes would mean other "
+                          "weights: export to gguf (IQ4_NL) instead, or quantize without --grid")
     if layer.in_features % layer.group_size:
         raise ConfigError(f"layer {name} has {layer.in_features} inputs, not a multiple of its group size "
                           f"{layer.group_size}; compressed-tensors needs whole groups: quantize with a group size "

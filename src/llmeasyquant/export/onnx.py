@@ -107,6 +107,11 @@ def _act_quant(name: str, layer: QuantLinear) -> ActQuant | None:
 
 
 def _layer_codes(name: str, layer: QuantLinear) -> LayerCodes:
+    if layer.scheme.grid is not None:
+        raise ConfigError(f"layer {name} is on the non-uniform {layer.scheme.grid} grid "
+                          "(weight = table[code] x scale); "
+                          "ONNX's DequantizeLinear computes (code - zero) x scale only, so its codes would mean other "
+                          "weights: export to gguf (IQ4_NL) instead, or quantize without --grid")
     qp = layer.qparams()
     zero = None if qp.zero is None else qp.zero.to(torch.int8).cpu().numpy()
     return LayerCodes(name=name, codes=layer.codes().cpu().numpy(), scale=qp.scale.float().cpu().numpy(), zero=zero,

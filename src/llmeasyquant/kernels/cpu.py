@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llmeasyquant.grid import grid_levels
+from llmeasyquant.grid import LEVELS, grid_levels
 from llmeasyquant.kernels import native
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS, scope
-from llmeasyquant.primitives import MIN_SCALE, qrange, quantize
+from llmeasyquant.primitives import MIN_SCALE, pack_int4, qrange, quantize
 from llmeasyquant.scheme import ActMode, PerChannel, PerTensor, PerToken
 
 _INT4_GROUPS = (32, 64, 128, 256)
@@ -150,19 +150,25 @@ class NativeInt4WeightOnlyKernel:
     outputs to bf16); otherwise each weight is dequantized exactly as the reference does it (one AVX-512 table
     lookup) and multiplied with fp32 activations. Above, the fp32 weight is dequantized into memory in one pass and
     multiplied by PyTorch's fp32 GEMM, as the reference does (bit for bit its result, several times faster). 4-bit
-    codes (2/3-bit layers store theirs densely: not taken); on a non-uniform grid (scheme.grid) each group's table is
-    levels x scale instead of (code - zero) x scale, always on the fp32 table path."""
+    codes (uniform 2/3-bit layers store theirs densely: not taken); on a non-uniform grid (scheme.grid) each group's
+    table is levels x scale instead of (code - zero) x scale, always on the fp32 table path, and a 3-bit learned grid
+    runs here too, its codes widened to nibbles when prepared."""
 
     name = "cpu_native_w4a16"
     DIRECT_ROWS = 16
 
     def supports(self, layer) -> bool:
         group_ok = layer.group_size % 2 == 0 or layer.group_size >= layer.in_features  # even groups start on a byte
-        return layer.scheme.bits == 4 and layer.scheme.act is None and group_ok and native.ops() is not None
+        bits_ok = layer.scheme.bits == 4 or (layer.scheme.bits == 3 and layer.scheme.grid is not None)
+        return bits_ok and layer.scheme.act is None and group_ok and native.ops() is not None
 
     def prepare(self, layer) -> dict:
         zeros = layer.zeros.float().contiguous() if layer.zeros is not None else None
-        return {"scales": layer.scales.float().contiguous(), "zeros": zeros, "levels": _grid_levels(layer)}
+        # A 3-bit grid layer's dense codes are widened to nibbles once here (4/3 of their bytes, beside them): the
+        # table kernel then reads them as 4-bit codes whose indices fall on the middle 8 entries of a 16-entry table.
+        qweight = layer.qweight if layer.scheme.bits == 4 else pack_int4(layer.codes())
+        return {"scales": layer.scales.float().contiguous(), "zeros": zeros, "levels": _grid_levels(layer),
+                "qweight": qweight}
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         ops = native.built()  # a layer that chose this kernel keeps it if the switch is turned off later
@@ -180,21 +186,24 @@ class NativeInt4WeightOnlyKernel:
     def _run_levels(self, ops, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         if x.shape[0] <= self.DIRECT_ROWS:
             with scope(NATIVE_GEMM):
-                return ops.int4_levels_matmul(x, layer.qweight, prepared["scales"], prepared["levels"],
+                return ops.int4_levels_matmul(x, prepared["qweight"], prepared["scales"], prepared["levels"],
                                               layer.group_size)
         with scope(LOAD_WEIGHTS):
-            weight = ops.dequantize_int4_levels(layer.qweight, prepared["scales"], prepared["levels"],
+            weight = ops.dequantize_int4_levels(prepared["qweight"], prepared["scales"], prepared["levels"],
                                                 layer.in_features, layer.group_size)
         return x @ weight.t()
 
 
 def _grid_levels(layer) -> torch.Tensor | None:
-    """A grid layer's levels as the native operators take them: fp32 [16] (a fixed table) or [out, 16] (learned)."""
+    """A grid layer's levels as the native operators take them: fp32 [16] (a fixed table) or [out, 16] (learned).
+    A learned 8-level table (3 bits) sits at indices 4..11, where codes -4..3 plus 8 land; the ends repeat."""
     if layer.scheme.grid is None:
         return None
-    if layer.levels is not None:
-        return layer.levels.float().contiguous()
-    return grid_levels(layer.scheme.grid).to(layer.scales.device).contiguous()
+    if layer.levels is None:
+        return grid_levels(layer.scheme.grid).to(layer.scales.device).contiguous()
+    levels = layer.levels.float()
+    pad = (LEVELS - levels.shape[1]) // 2
+    return torch.nn.functional.pad(levels[:, None], (pad, pad), mode="replicate")[:, 0].contiguous()
 
 
 def tile_int4_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.grid import LEVELS, grid_levels
+from llmeasyquant.grid import grid_levels, level_count
 from llmeasyquant.kernels.choice import is_pinned, row_bucket
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, scope
 from llmeasyquant.nn.observers import ema_step, observed_extremes
@@ -50,7 +50,7 @@ def layer_storage_bytes(in_features: int, out_features: int, scheme: QuantScheme
     fp16 tables (no bias)."""
     groups = -(-in_features // min(scheme.group_size or in_features, in_features))
     per_group = 2 if scheme.symmetric else 3
-    table = 2 * LEVELS if scheme.grid == "learned" else 0
+    table = 2 * level_count(scheme.grid, scheme.bits) if scheme.grid == "learned" else 0
     return out_features * (packed_width(scheme.bits, in_features) + groups * per_group + table)
 
 
@@ -74,11 +74,12 @@ def _unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
 
 class QuantLinear(nn.Module):
     """y = x @ ((q - zero) * scale)^T + bias, computed by a kernel chosen for the scheme and device; with a grid
-    (scheme.grid) the weight is levels[q + 8] * scale instead, levels the grid's fixed table or, learned, `levels`.
+    (scheme.grid) the weight is levels[q + L/2] * scale instead, levels the grid's fixed table or, learned, `levels`
+    (L = 2^bits levels).
 
     Buffers (all in the state dict): `qweight` int8 [out, in] for 8-bit, uint8 [out, ceil(in/2)] for 4-bit,
     uint8 [out, ceil(in/8) * bits] for 2 and 3 bits (`packed_width`); `scales` fp16 [out, groups]; `zeros` int8
-    [out, groups] when asymmetric; `levels` fp16 [out, 16] for a learned grid; `bias` if any; with static
+    [out, groups] when asymmetric; `levels` fp16 [out, 2^bits] for a learned grid; `bias` if any; with static
     activations, `input_scale` fp16 [1] (NaN until calibrated) and `input_zero` int8 [1] when the activations are
     asymmetric.
     """
@@ -97,8 +98,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.int8))
         else:
             self.zeros = None
-        self.register_buffer("levels", torch.zeros(out_features, LEVELS, dtype=torch.float16)
-                             if scheme.grid == "learned" else None)
+        self.register_buffer("levels", torch.zeros(out_features, level_count("learned", scheme.bits),
+                                                   dtype=torch.float16) if scheme.grid == "learned" else None)
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype))
         else:
@@ -160,7 +161,7 @@ class QuantLinear(nn.Module):
         return QParams(scale=self.scales.float(), zero=zero, group_size=self.group_size, levels=self.grid_levels())
 
     def grid_levels(self) -> torch.Tensor | None:
-        """The grid's levels, fp32 [1, 16] (fixed table) or [out, 16] (learned); None for uniform codes."""
+        """The grid's levels, fp32 [1, 16] (fixed table) or [out, 2^bits] (learned); None for uniform codes."""
         if self.scheme.grid is None:
             return None
         if self.levels is not None:
