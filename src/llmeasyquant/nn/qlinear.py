@@ -50,7 +50,7 @@ def layer_storage_bytes(in_features: int, out_features: int, scheme: QuantScheme
     fp16 tables (no bias)."""
     groups = -(-in_features // min(scheme.group_size or in_features, in_features))
     per_group = 2 if scheme.symmetric else 3
-    table = 2 * level_count(scheme.grid, scheme.bits) if scheme.grid == "learned" else 0
+    table = 2 * level_count("learned", scheme.bits) if scheme.grid == "learned" else 0
     return out_features * (packed_width(scheme.bits, in_features) + groups * per_group + table)
 
 
