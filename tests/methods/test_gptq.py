@@ -172,3 +172,61 @@ def test_solving_in_the_hessians_memory_gives_the_same_codes():
     again, qp_again = gptq_solve(weight, work, s, act_order=True, consume=True)
     assert torch.equal(codes, again) and torch.equal(qp.scale, qp_again.scale)
     assert not torch.equal(work, h)  # it was the workspace
+
+
+def test_true_sequential_solves_each_input_group_on_the_quantized_groups_before_it(tiny_llama):
+    """Block 0: q/k/v (the first group) get the same codes either way; o_proj's codes are those GPTQ gives on the
+    Hessian of o_proj's input recomputed with the block's q/k/v quantized (and differ from the float pass's)."""
+    from llmeasyquant.calibration.sequential import capture_block_inputs
+    from llmeasyquant.methods.gptq import gptq_solve
+    from llmeasyquant.methods.stats import collect_input_stats
+
+    calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(3))
+    scheme = lq.parse_scheme("w4a16-g32")
+    plain = lq.quantize(copy.deepcopy(tiny_llama), lq.GPTQ(), scheme, calib=calib, progress=False)
+    seq = lq.quantize(copy.deepcopy(tiny_llama), lq.GPTQ(true_sequential=True), scheme, calib=calib, progress=False)
+    assert seq.llmeasyquant.recipe[0]["true_sequential"] is True
+    plain_attn, seq_attn = plain.model.layers[0].self_attn, seq.model.layers[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(getattr(plain_attn, name).codes(), getattr(seq_attn, name).codes())
+    assert not torch.equal(plain_attn.o_proj.codes(), seq_attn.o_proj.codes())
+
+    block = copy.deepcopy(tiny_llama.model.layers[0])
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(block.self_attn, name, copy.deepcopy(getattr(seq_attn, name)))
+    inputs, kwargs = capture_block_inputs(tiny_llama, calib)
+    stats, _ = collect_input_stats(block, ["self_attn.o_proj"], inputs, kwargs, want=frozenset({"hessian"}))
+    codes, _ = gptq_solve(block.self_attn.o_proj.weight.detach().float(), stats.hessian["self_attn.o_proj"], scheme,
+                          act_order=True)
+    assert torch.equal(codes, seq_attn.o_proj.codes())
+
+
+def test_input_groups_follow_the_layers_that_read_one_input(tiny_llama):
+    from llmeasyquant.calibration.sequential import capture_block_inputs
+    from llmeasyquant.methods.gptq import input_groups
+    from llmeasyquant.methods.stats import collect_input_stats
+
+    block = tiny_llama.model.layers[0]
+    names = [f"self_attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
+    inputs, kwargs = capture_block_inputs(tiny_llama, torch.randint(0, 256, (2, 16)))
+    stats, _ = collect_input_stats(block, names, inputs, kwargs, want=frozenset({"hessian"}))
+    assert input_groups(stats, names) == [names[:3], names[3:4], names[4:6], names[6:]]
+
+
+def test_true_sequential_is_refused_across_ranks(tiny_llama, monkeypatch):
+    from llmeasyquant.infra import distributed
+
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    with pytest.raises(lq.ConfigError, match="one process"):
+        lq.GPTQ(true_sequential=True).apply(tiny_llama.model.layers[0], None)
+
+
+def test_cli_true_sequential_reaches_gptq_and_only_gptq(llama_folder, wiki_text, tmp_path):
+    out = tmp_path / "seq"
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "gptq", "--bits", "4", "--group-size", "32",
+                 "--true-sequential", "--calib", str(wiki_text), "--calib-samples", "4", "--calib-seqlen", "32",
+                 "--out", str(out)]) == 0
+    assert lq.load(out)[0].llmeasyquant.recipe[0]["true_sequential"] is True
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "rtn", "--true-sequential", "--out",
+                 str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()

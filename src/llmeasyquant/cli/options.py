@@ -101,6 +101,9 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
     add_kv_options(p)
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: quantize columns by decreasing Hessian diagonal (default: on)")
+    p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: solve each group of layers that read one input (q/k/v, o, gate/up, down) on a new pass "
+                   "over the block with the groups before it quantized (one pass per group; default: off)")
     p.add_argument("--alpha", type=_alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search it "
                    "per block on the block's output error (default 0.5)")
     p.add_argument("--lkd", action=argparse.BooleanOptionalAction, default=None,

@@ -79,9 +79,9 @@ def build_simquant(args: argparse.Namespace):
 
 
 def method_options(args: argparse.Namespace) -> dict:
-    given = {"act_order": args.act_order, "alpha": args.alpha, "lkd": args.lkd, "steps": args.lkd_steps,
-             "lr": args.lkd_lr, "samples": args.lkd_samples, "lkd_inputs": args.lkd_inputs,
-             "seed": args.rotation_seed, "online_down": args.online_rotation}
+    given = {"act_order": args.act_order, "true_sequential": args.true_sequential, "alpha": args.alpha,
+             "lkd": args.lkd, "steps": args.lkd_steps, "lr": args.lkd_lr, "samples": args.lkd_samples,
+             "lkd_inputs": args.lkd_inputs, "seed": args.rotation_seed, "online_down": args.online_rotation}
     return {key: value for key, value in given.items() if value is not None}
 
 

@@ -7,6 +7,11 @@ before the solve, so an act-ordered layer still stores plain contiguous groups. 
 the few channels with very large activations are quantized last, after every other column's error was pushed
 onto them; on SmolLM2 that makes symmetric 4-bit GPTQ worse than round-to-nearest (docs/methods.md).
 
+True sequential (`true_sequential`, off by default): the layers of a block are solved in groups that read the same
+input (q/k/v, o, gate/up, down), and each group after the first against the Hessian of a new pass over the block in
+which the groups before it are already quantized, so that a layer compensates the error of those feeding it (as
+GPTQ's reference code and AutoGPTQ's `true_sequential` do). One pass of the block per later group.
+
 On a non-uniform grid (scheme.grid) each column goes to its nearest grid level; the group scales (and a learned
 grid's per-row tables) are always static, chosen from the original weights for the least squared error weighted by
 the Hessian diagonal (each input's mean square), as the uniform scales are fixed before the solve under act-order.
@@ -20,7 +25,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from llmeasyquant.errors import ConfigError
+from llmeasyquant.infra import distributed
 from llmeasyquant.methods.base import BlockContext, Quantizer, block_input_stats, rtn_quant_linear, short_of_tokens
+from llmeasyquant.methods.stats import InputStats, collect_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.nn.transform import carry_input_transform
@@ -36,6 +44,7 @@ class GPTQ(Quantizer):
     # A layer that read fewer calibration tokens (an expert the router sent few or none) has too poor a Hessian to
     # solve against: it is rounded to nearest instead, and the fallback named in the log and the checkpoint.
     min_tokens: int = 16
+    true_sequential: bool = False  # each input group solved on a pass with the groups before it quantized
 
     name: ClassVar[str] = "gptq"
     needs_calibration: ClassVar[bool] = True
@@ -44,10 +53,27 @@ class GPTQ(Quantizer):
     float_path: ClassVar[bool] = False
 
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
+        if self.true_sequential and distributed.active():
+            raise ConfigError("GPTQ's --true-sequential passes over each block once per input group, which the "
+                              "layers shared out over ranks do not follow yet: run it in one process")
         stats = block_input_stats(block, ctx, self.input_stats)
+        if not self.true_sequential:
+            self._solve(block, ctx, stats, list(ctx.plan))
+            return
+        groups = input_groups(stats, list(ctx.plan))
+        for name in (n for group in groups[1:] for n in group):
+            stats.hessian.pop(name, None)  # the float pass's: these layers are solved on a later pass's statistics
+        for position, group in enumerate(groups):
+            if position:  # what this group reads now that the groups before it are quantized
+                stats, _ = collect_input_stats(block, group, ctx.inputs, ctx.kwargs, want=self.input_stats,
+                                               routed=ctx.arch.routed)
+            self._solve(block, ctx, stats, group)
+
+    def _solve(self, block: nn.Module, ctx: BlockContext, stats: InputStats, names: list[str]) -> None:
+        """Quantize the layers `names` of the block against the Hessians in `stats`."""
         hessians = stats.hessian
-        names = list(ctx.plan)
-        for position, (rel_name, scheme) in enumerate(ctx.plan.items()):
+        for position, rel_name in enumerate(names):
+            scheme = ctx.plan[rel_name]
             module = block.get_submodule(rel_name)
             if short_of_tokens(ctx, stats, [rel_name], self.min_tokens, self.name, "rounded to nearest (RTN)"):
                 set_module(block, rel_name, rtn_quant_linear(module, scheme, ctx.prefix + rel_name))
@@ -66,6 +92,17 @@ class GPTQ(Quantizer):
             bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
             layer = QuantLinear.from_codes(codes, qp, scheme, bias)
             set_module(block, rel_name, carry_input_transform(module, layer))
+
+
+def input_groups(stats: InputStats, names: list[str]) -> list[list[str]]:
+    """`names` in order, cut into runs of layers that read the same input (one Hessian object: q/k/v, gate/up)."""
+    groups: list[list[str]] = []
+    for name in names:
+        if groups and stats.hessian.get(name) is stats.hessian.get(groups[-1][0]):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
 
 
 FACTOR_THREADS = 1  # LAPACK's threads for H⁻¹'s factor: fixed, so the bits do not depend on the process's count
