@@ -16,7 +16,7 @@ from llmeasyquant.export.checkpoint import load, save
 from llmeasyquant.export.formats import export
 from llmeasyquant.jobs.compare import CompareSpec, compare
 from llmeasyquant.jobs.evaluate import evaluate
-from llmeasyquant.methods import AWQ, GPTQ, RTN, Rotate, SmoothQuant, ZeroQuant
+from llmeasyquant.methods import AWQ, GPTAQ, GPTQ, RTN, Rotate, SmoothQuant, ZeroQuant
 from llmeasyquant.methods.simquant import SimQuant
 from llmeasyquant.models.load import load_model
 from llmeasyquant.nn.fused import fuse_shared_inputs
@@ -47,6 +47,7 @@ from llmeasyquant.version import __version__
 
 __all__ = [
     "AWQ",
+    "GPTAQ",
     "GPTQ",
     "RTN",
     "W4A8_G128",

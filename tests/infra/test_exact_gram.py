@@ -54,3 +54,31 @@ def test_the_kept_batches_are_copies_and_memory_is_freed_after():
 def test_a_batch_of_another_width_is_refused():
     with pytest.raises(ValueError, match="Gram matrix of 4 inputs"):
         ExactGram(4).add(torch.zeros(3, 5))
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_paired_products_are_the_cross_gram_in_any_order(monkeypatch: pytest.MonkeyPatch, fold: bool):
+    if fold:
+        monkeypatch.setattr(exact_gram, "_BIN_BYTES", 0)
+    batches = _batches(20, 8, seed=2)
+    others = [b.flip(1) * 0.5 + 1 for b in batches]  # another stream of the same shapes
+
+    def cross(order: list[int]) -> torch.Tensor:
+        gram = ExactGram(20, paired=True)
+        for index in order:
+            gram.add(batches[index], others[index])
+        return gram.reduce(1)
+
+    forward = cross(list(range(8)))
+    assert torch.equal(forward, cross(list(reversed(range(8)))))
+    expected = torch.cat(batches).double().t() @ torch.cat(others).double()
+    assert torch.allclose(forward.double(), expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+
+
+def test_a_paired_gram_takes_pairs_and_an_unpaired_one_single_batches():
+    with pytest.raises(ValueError, match="paired"):
+        ExactGram(4, paired=True).add(torch.ones(3, 4))
+    with pytest.raises(ValueError, match="paired"):
+        ExactGram(4).add(torch.ones(3, 4), torch.ones(3, 4))
+    with pytest.raises(ValueError, match="paired"):
+        ExactGram(4, paired=True).add(torch.ones(3, 4), torch.ones(2, 4))

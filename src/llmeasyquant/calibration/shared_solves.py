@@ -33,8 +33,9 @@ def _empty_quant_linear(module: nn.Module, scheme) -> QuantLinear:
 def apply_shared(method: Method, block: nn.Module, ctx: BlockContext) -> None:
     """Run quantizer `method` on this rank's share of the block's layers and exchange the results."""
     if method.float_path:
-        raise ConfigError(f"{method.name} distils whole blocks (layer-by-layer distillation), which is not shared "
-                          "across ranks yet: run it in one process, or without distillation (--no-lkd)")
+        raise ConfigError(f"{method.name} reads the unquantized model's activations beside the quantized ones "
+                          "(ZeroQuant's layer-by-layer distillation, GPTAQ), which is not shared across ranks yet: "
+                          "run it in one process (ZeroQuant also runs without distillation: --no-lkd)")
     if method.input_stats:
         # A collective: every rank gathers the statistics of the whole plan before the plan is split.
         ctx.input_stats = block_input_stats(block, ctx, method.input_stats)

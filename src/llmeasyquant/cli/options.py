@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_SCHEMES = "w8a16,w8a8,w8a8-aasym,w4a16-g64-asym,w4a16-g128-asym"  # compare's rows without --methods
-METHOD_HELP = ("rtn, gptq, awq, smoothquant, zeroquant, rotate (a rotation of the residual stream, first), or a recipe "
-               "such as awq+gptq, smoothquant+gptq or rotate+gptq (default rtn)")
+METHOD_HELP = ("rtn, gptq, gptaq (GPTQ fitted to the unquantized model's outputs), awq, smoothquant, zeroquant, rotate "
+               "(a rotation of the residual stream, first), or a recipe such as awq+gptq, smoothquant+gptq or "
+               "rotate+gptq (default rtn)")
 
 
 def add_eval_options(p: argparse.ArgumentParser, max_windows: int | None) -> None:

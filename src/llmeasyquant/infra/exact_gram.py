@@ -26,11 +26,12 @@ _BIN_BYTES = 16  # two fp64 bins per entry: the least the exact bins of the whol
 
 
 class ExactGram:
-    """Σ xᵀx over batches x [tokens, width]; `add` batches, then `reduce` (a collective under torch.distributed)."""
+    """Σ xᵀx over batches x [tokens, width]; `add` batches, then `reduce` (a collective under torch.distributed).
+    With `paired`, Σ xᵀy over pairs of batches of one shape (`add(x, y)`): the cross products of two streams."""
 
-    def __init__(self, width: int) -> None:
-        self.width = width
-        self.kept: list[torch.Tensor] = []
+    def __init__(self, width: int, paired: bool = False) -> None:
+        self.width, self.paired = width, paired
+        self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.kept_bytes = 0
         self.panels: list[ExactSum] | None = None  # bins of every panel, once the kept batches outgrew them
         self.device = torch.device("cpu")  # the batches': H is formed where they are
@@ -39,26 +40,29 @@ class ExactGram:
         return [slice(start, min(start + PANEL_COLUMNS, self.width)) for start in range(0, self.width, PANEL_COLUMNS)]
 
     @staticmethod
-    def _add_products(total: ExactSum, batch: torch.Tensor, columns: slice) -> None:
-        total.add(batch.t() @ batch[:, columns])
+    def _add_products(total: ExactSum, batch: torch.Tensor, other: torch.Tensor | None, columns: slice) -> None:
+        total.add(batch.t() @ (batch if other is None else other)[:, columns])
 
     @torch.no_grad()
-    def add(self, batch: torch.Tensor) -> None:
-        """One batch [tokens, width] (fp32). Kept as a copy: the forward pass may reuse the tensor it read."""
+    def add(self, batch: torch.Tensor, other: torch.Tensor | None = None) -> None:
+        """One batch [tokens, width] (fp32), and with `paired` the batch of the other stream it multiplies. Kept as a
+        copy: the forward pass may reuse the tensor it read."""
         if batch.dim() != 2 or batch.shape[1] != self.width:
             raise ValueError(f"a batch of shape {tuple(batch.shape)} added to the Gram matrix of {self.width} inputs")
+        if self.paired != (other is not None) or (other is not None and other.shape != batch.shape):
+            raise ValueError("a paired Gram matrix takes two batches of one shape, an unpaired one a single batch")
         self.device = batch.device
         if self.panels is not None:
             for total, columns in zip(self.panels, self._columns(), strict=True):
-                self._add_products(total, batch, columns)
+                self._add_products(total, batch, other, columns)
             return
-        self.kept.append(batch.detach().clone())
-        self.kept_bytes += batch.numel() * batch.element_size()
+        self.kept.append((batch.detach().clone(), None if other is None else other.detach().clone()))
+        self.kept_bytes += batch.numel() * batch.element_size() * (2 if self.paired else 1)
         if self.kept_bytes > _BIN_BYTES * self.width * self.width:
             self.panels = [ExactSum((self.width, c.stop - c.start)) for c in self._columns()]
             kept, self.kept = self.kept, []
-            for held in kept:
-                self.add(held)
+            for held, held_other in kept:
+                self.add(held, held_other)
 
     @torch.no_grad()
     def reduce(self, divisor: int) -> torch.Tensor:
@@ -69,8 +73,8 @@ class ExactGram:
         for columns in self._columns():
             # A folded panel's bins are freed once it is formed; kept batches need one panel's bins at a time.
             total = folded.pop(0) if folded is not None else ExactSum((self.width, columns.stop - columns.start))
-            for batch in self.kept:
-                self._add_products(total, batch, columns)
+            for batch, other in self.kept:
+                self._add_products(total, batch, other, columns)
             total.all_reduce()
             out[:, columns] = (total.value() / divisor).float()
             del total

@@ -7,14 +7,15 @@ import dataclasses
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.awq import AWQ
 from llmeasyquant.methods.base import BlockContext, CacheMethod, Method, ModelTransform, Quantizer, Step, Transform
+from llmeasyquant.methods.gptaq import GPTAQ
 from llmeasyquant.methods.gptq import GPTQ
 from llmeasyquant.methods.rotate import Rotate
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.methods.smoothquant import SmoothQuant
 from llmeasyquant.methods.zeroquant import ZeroQuant
 
-METHODS: dict[str, type[Method]] = {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ,
-                                  "zeroquant": ZeroQuant, "rotate": Rotate}
+METHODS: dict[str, type[Method]] = {"rtn": RTN, "gptq": GPTQ, "gptaq": GPTAQ, "smoothquant": SmoothQuant,
+                                  "awq": AWQ, "zeroquant": ZeroQuant, "rotate": Rotate}
 
 
 def _method_class(name: str) -> type[Method]:
@@ -57,5 +58,5 @@ def recipe_by_name(spec: str, strict: bool = True, **options: object) -> list[Me
     return recipe
 
 
-__all__ = ["AWQ", "GPTQ", "METHODS", "RTN", "BlockContext", "CacheMethod", "Method", "ModelTransform", "Quantizer",
-           "Rotate", "SmoothQuant", "Step", "Transform", "ZeroQuant", "method_by_name", "recipe_by_name"]
+__all__ = ["AWQ", "GPTAQ", "GPTQ", "METHODS", "RTN", "BlockContext", "CacheMethod", "Method", "ModelTransform",
+           "Quantizer", "Rotate", "SmoothQuant", "Step", "Transform", "ZeroQuant", "method_by_name", "recipe_by_name"]

@@ -19,6 +19,7 @@ the Hessian diagonal (each input's mean square), as the uniform scales are fixed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -69,8 +70,10 @@ class GPTQ(Quantizer):
                                                routed=ctx.arch.routed)
             self._solve(block, ctx, stats, group)
 
-    def _solve(self, block: nn.Module, ctx: BlockContext, stats: InputStats, names: list[str]) -> None:
-        """Quantize the layers `names` of the block against the Hessians in `stats`."""
+    def _solve(self, block: nn.Module, ctx: BlockContext, stats: InputStats, names: list[str],
+               target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Quantize the layers `names` of the block against the Hessians in `stats`: each layer's weight, or what
+        `target` makes of it (GPTAQ's moved target)."""
         hessians = stats.hessian
         for position, rel_name in enumerate(names):
             scheme = ctx.plan[rel_name]
@@ -80,6 +83,8 @@ class GPTQ(Quantizer):
                 continue
             weight = linear_weight(module).detach().float()
             check_finite(weight, ctx.prefix + rel_name)
+            if target is not None:
+                weight = target(weight)
             # The last layer to read a Hessian (q, k and v share one) solves in its memory instead of a copy, and
             # takes it out of the statistics: an 8B down projection's H is 0.8 GB.
             hessian = hessians[rel_name]
