@@ -1,11 +1,12 @@
 """GPTAQ (GPTQv2; Li et al., ICML 2025, "asymmetric calibration"): GPTQ fitted to the unquantized model's outputs.
 
-GPTQ minimises ||(Ŵ - W) X̃||² over a layer's codes Ŵ, X̃ being what the layer reads in the model quantized so far:
-the layer learns to reproduce its float weights' response to inputs that already carry the rounding of every
-earlier layer, and that rounding stays. GPTAQ fits the unquantized model's outputs instead, ||Ŵ X̃ - W X||², X
-being what the layer reads in the unquantized model. With ΔX = X - X̃ that objective is GPTQ's with the target moved:
+GPTQ minimises ||X̃ (Ŵ - W)ᵀ||² over a layer's codes Ŵ, X̃ being what the layer reads in the model quantized so
+far (tokens × inputs): the layer learns to reproduce its float weights' response to inputs that already carry the
+rounding of every earlier layer, and that rounding stays. GPTAQ fits the unquantized model's outputs instead,
+||X̃ Ŵᵀ - X Wᵀ||², X being what the layer reads in the unquantized model. With ΔX = X - X̃ that objective is
+GPTQ's with the target moved:
 
-    ||Ŵ X̃ - W X||² = ||(Ŵ - W*) X̃||² + const,   W* = W + W ΔXᵀ X̃ (X̃ᵀX̃)⁻¹
+    ||X̃ Ŵᵀ - X Wᵀ||² = ||X̃ (Ŵ - W*)ᵀ||² + const,   W* = W + W ΔXᵀ X̃ (X̃ᵀX̃)⁻¹
 
 (W* the least-squares float weight on the quantized inputs), so GPTQ's column solve runs unchanged on W* against
 X̃'s Hessian. The inverse takes GPTQ's dampening, and only the correction goes through it: where the two models
