@@ -11,8 +11,8 @@ GPTQ's with the target moved:
 (W* the least-squares float weight on the quantized inputs), so GPTQ's column solve runs unchanged on W* against
 X̃'s Hessian. The inverse takes GPTQ's dampening, and only the correction goes through it: where the two models
 read the same inputs W* is W exactly (W* = W Xᵀ X̃ (X̃ᵀX̃ + λI)⁻¹ instead shrinks every weight along the inputs'
-weak directions: a first version solving that wrecked SmolLM2). The paper folds the same correction into GPTQ's
-column loop; solving for W* first reaches the same objective in closed form.
+weak directions; a first version solving that, on X̃ read before any group was quantized, wrecked SmolLM2). The
+paper folds the same correction into GPTQ's column loop; solving for W* first reaches the same objective in closed form.
 
 The runner carries the unquantized model's activations beside the quantized ones (`float_path`). A block's layers
 go in groups that read one input (q/k/v, o, gate/up, down), in order, as GPTQ's `true_sequential` does: each group's
