@@ -44,6 +44,9 @@ class GPTAQ(GPTQ):
 
     name: ClassVar[str] = "gptaq"
     float_path: ClassVar[bool] = True  # the unquantized model's activations, beside the quantized ones
+    # The runner's pass gives only which layers share an input (and their token counts): the products are formed
+    # here, group by group, so the float pass's Hessians (1.5 GB a block at 8B) are never gathered.
+    input_stats: ClassVar[frozenset[str]] = frozenset({"range"})
 
     def __post_init__(self) -> None:
         if not self.true_sequential:
@@ -59,7 +62,7 @@ class GPTAQ(GPTQ):
             raise ConfigError("gptaq needs the unquantized model's activations: run it through quantize()")
         stats = block_input_stats(block, ctx, self.input_stats)
         groups = input_groups(stats, list(ctx.plan))
-        stats.hessian.clear()  # this method forms its own products
+        stats.hessian.clear()  # an earlier method's (AWQ's) if any: this method forms its own products
         float_block = copy.deepcopy(block)  # the unquantized block, read for X while `block` is quantized
         for group in groups:
             hessian, shift, tokens = paired_products(block, float_block, group[0], ctx)

@@ -100,10 +100,12 @@ class GPTQ(Quantizer):
 
 
 def input_groups(stats: InputStats, names: list[str]) -> list[list[str]]:
-    """`names` in order, cut into runs of layers that read the same input (one Hessian object: q/k/v, gate/up)."""
+    """`names` in order, cut into runs of layers that read the same input (q/k/v, gate/up): those whose statistic
+    (the Hessian, or the range where no Hessian was gathered) is one object."""
+    shared = stats.hessian if stats.hessian else stats.lo
     groups: list[list[str]] = []
     for name in names:
-        if groups and stats.hessian.get(name) is stats.hessian.get(groups[-1][0]):
+        if groups and shared.get(name) is shared.get(groups[-1][0]):
             groups[-1].append(name)
         else:
             groups.append([name])
