@@ -39,6 +39,10 @@ def test_options_spell_the_same_recipe():
     assert ("--asym" in words) == (not scheme.symmetric)
     assert words[words.index("--kv-bits") + 1] == "4"
     assert ("--online-rotation" in words) == chosen.online_rotation
+    assert ("--online-attention-rotation" in words) == chosen.online_attention
+    assert ("--act-asym" in words) == (not scheme.act.symmetric)
+    clip = float(words[words.index("--act-clip") + 1]) if "--act-clip" in words else 1.0
+    assert clip == pytest.approx(scheme.act.clip)
 
 
 def test_unknown_preset_lists_the_known_ones():

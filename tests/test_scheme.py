@@ -113,6 +113,60 @@ def test_name_round_trip_non_default_activation(act, granularity, symmetric):
     assert parse_scheme(scheme.name) == scheme
 
 
+@pytest.mark.parametrize("act", [ActScheme(bits=4, clip=0.9), ActScheme(clip=0.875, symmetric=False),
+                                 ActScheme(clip=0.5, granularity=PerTensor())])
+def test_clipped_activations_name_and_dict_round_trip(act):
+    scheme = QuantScheme(4, symmetric=False, granularity=PerGroup(64), act=act)
+    assert "-ac" in scheme.name and scheme.name != QuantScheme(4, False, PerGroup(64), ActScheme(bits=act.bits)).name
+    assert parse_scheme(scheme.name) == scheme
+    assert QuantScheme.from_dict(scheme.to_dict()) == scheme
+    assert scheme.to_dict()["act"]["clip"] == act.clip
+
+
+def test_unclipped_activations_keep_their_old_dict_and_name():
+    assert "clip" not in W8A8.to_dict()["act"] and "-ac" not in W8A8.name
+    assert parse_scheme("w4a4-ac90-g64").act.clip == pytest.approx(0.9)
+    assert make_scheme(4, 64, act_bits=4, act_clip=0.9) == parse_scheme("w4a4-ac90-g64")
+
+
+@pytest.mark.parametrize("clip", [0.0, -0.5, 1.2, float("nan")])
+def test_activation_clip_outside_zero_one_is_refused(clip):
+    with pytest.raises(ConfigError, match=r"clip ratio must lie in \(0, 1\]"):
+        ActScheme(bits=4, clip=clip)
+
+
+def test_sink_tokens_name_dict_and_refusals():
+    scheme = parse_scheme("w4a4-aasym-ac90-as1-g64-asym")
+    assert scheme.act.sinks == 1 and scheme.name == "w4a4-aasym-ac90-as1-g64-asym"
+    assert QuantScheme.from_dict(scheme.to_dict()) == scheme and "sinks" not in W8A8.to_dict()["act"]
+    assert make_scheme(4, 64, act_bits=4, act_sinks=2).act.sinks == 2
+    for kwargs in ({"sinks": -1}, {"sinks": 1.5}, {"sinks": True}):
+        with pytest.raises(ConfigError, match="non-negative integer"):
+            ActScheme(bits=4, **kwargs)
+    with pytest.raises(ConfigError, match="--act-bits 4"):
+        ActScheme(bits=8, sinks=1)
+    with pytest.raises(ConfigError, match=r"--act-sinks.*--act-bits"):
+        make_scheme(4, 64, act_sinks=1)
+    with pytest.raises(ConfigError, match="-asN"):
+        parse_scheme("w4a16-as1-g64")
+
+
+def test_make_scheme_takes_asymmetric_activations():
+    assert make_scheme(4, 64, act_bits=4, act_symmetric=False, act_clip=0.9) == parse_scheme("w4a4-aasym-ac90-g64")
+    assert make_scheme(8, act_bits=8, act_mode="static", act_symmetric=False) == parse_scheme("w8a8-astatic-aasym")
+    with pytest.raises(ConfigError, match=r"--act-asym.*--act-bits"):
+        make_scheme(4, 64, act_symmetric=False)
+
+
+def test_activation_clip_needs_dynamic_quantized_activations():
+    with pytest.raises(ConfigError, match="dynamic"):
+        ActScheme(clip=0.9, mode="static", granularity=PerTensor())
+    with pytest.raises(ConfigError, match="--act-bits"):
+        make_scheme(4, 64, act_clip=0.9)
+    with pytest.raises(ConfigError, match="-acN"):
+        parse_scheme("w4a16-ac90-g64")
+
+
 @pytest.mark.parametrize("text", ["w8a16-apt", "w4a16-g64-aasym"])
 def test_activation_options_without_activation_quantization(text):
     with pytest.raises(ConfigError, match="activation"):

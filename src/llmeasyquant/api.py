@@ -18,6 +18,7 @@ from llmeasyquant.models.arch import arch_for, get_module, linear_weight, set_mo
 from llmeasyquant.models.experts import unfuse_experts
 from llmeasyquant.models.streaming import BlockStreamer
 from llmeasyquant.nn.kv.cache import KVCacheSpec
+from llmeasyquant.nn.positions import track_positions
 from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear
 from llmeasyquant.plan import Plan
 from llmeasyquant.scheme import QuantScheme, parse_scheme
@@ -124,6 +125,7 @@ def quantize(model: nn.Module, recipe: Step | Sequence[Step], plan: Plan | Quant
     resolved = plan.resolve(model)
     if not resolved:
         raise ConfigError("the plan selects no linear layer of this model; check its patterns")
+    track_positions(model, arch.blocks, resolved.values())  # before the KV cache's calibration runs the model
     hollow = stream is not None and stream.sink is not None  # blocks go to disk as they finish
     if hollow and kv_method is not None:
         raise ConfigError(f"{kv_method.name} calibrates the KV cache on the whole quantized model, which a streamed "

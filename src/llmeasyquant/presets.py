@@ -18,8 +18,9 @@ from llmeasyquant.scheme import parse_scheme
 @dataclass(frozen=True)
 class Preset:
     """A recipe (`method`, as `--method` spells it, with `online_rotation` the rotate step's run-time Hadamard of the
-    down projection's input), the body's scheme, the LM head's scheme (None: left to --lm-head, float by default),
-    the KV cache's bits (None: float), and the measured result quoted in `--help` and docs/methods.md."""
+    down projection's input and `online_attention` that of the attention output's), the body's scheme, the LM head's
+    scheme (None: left to --lm-head, float by default), the KV cache's bits (None: float), and the measured result
+    quoted in `--help` and docs/methods.md."""
 
     name: str
     method: str
@@ -28,12 +29,14 @@ class Preset:
     lm_head: str | None
     kv_bits: int | None
     measured: str
+    online_attention: bool = False
 
     @property
     def options(self) -> str:
         """The same recipe as explicit `quantize` options."""
         scheme = parse_scheme(self.scheme)
         text = f"--method {self.method}" + (" --online-rotation" if self.online_rotation else "")
+        text += " --online-attention-rotation" if self.online_attention else ""
         text += f" --bits {scheme.bits}"
         if scheme.group_size:
             text += f" --group-size {scheme.group_size}"
@@ -43,6 +46,12 @@ class Preset:
             text += f" --grid {scheme.grid}"
         if scheme.act is not None:
             text += f" --act-bits {scheme.act.bits}"
+            if not scheme.act.symmetric:
+                text += " --act-asym"
+            if scheme.act.clip < 1.0:
+                text += f" --act-clip {scheme.act.clip:g}"
+            if scheme.act.sinks:
+                text += f" --act-sinks {scheme.act.sinks}"
         if self.lm_head:
             text += f" --lm-head {self.lm_head}"
         if self.kv_bits:

@@ -146,6 +146,22 @@ def fake_quantize(x: torch.Tensor, bits: int, symmetric: bool, granularity: Gran
     return dequantize(quantize(flat, qp, bits), qp).reshape(shape).to(x.dtype)
 
 
+def clip_activations(x: torch.Tensor, clip: float, symmetric: bool, granularity: Granularity) -> torch.Tensor:
+    """x with each token (row of the last dimension; the whole tensor per tensor) limited to `clip` times its range:
+    [-c max|x|, c max|x|] when symmetric, [c min(x, 0), c max(x, 0)] otherwise. The dynamic scale then computed from
+    the clipped x covers exactly that fraction (its extremes are the bounds), so the integer kernels need no change.
+    x itself when clip is 1."""
+    if clip >= 1.0:
+        return x
+    dims = tuple(range(x.dim())) if isinstance(granularity, PerTensor) else (-1,)
+    if symmetric:
+        bound = torch.amax(x.abs(), dim=dims, keepdim=True) * clip
+        return torch.clamp(x, -bound, bound)
+    lo = torch.amin(x, dim=dims, keepdim=True).clamp(max=0) * clip
+    hi = torch.amax(x, dim=dims, keepdim=True).clamp(min=0) * clip
+    return torch.clamp(x, lo, hi)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes in [-8, 7], [rows, cols] -> uint8 [rows, ceil(cols / 2)]: even column low nibble, odd high."""
     if codes.numel() and (codes.min() < -8 or codes.max() > 7):

@@ -93,6 +93,14 @@ class ActScheme:
     momentum: float = 0.9  # the online mode's EMA (the other modes ignore momentum, eps and std_floor)
     eps: float = 1e-5
     std_floor: bool = False
+    # Dynamic scales cover this fraction of each token's range (of the tensor's, per tensor); values beyond it
+    # saturate. Below 1 it trades a few clipped outliers for finer steps everywhere else: at 4 bits a rotated,
+    # near-Gaussian token's rounding error outweighs what clipping its tails costs (QuaRot clips at 0.9).
+    clip: float = 1.0
+    # The first `sinks` positions of each sequence take 8-bit activations (4-bit schemes): the attention sink's
+    # hidden state carries the massive activations and every later token attends to it, so its 4-bit rounding
+    # spreads to all of them. The layer learns the positions from nn/positions.py.
+    sinks: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", ActMode.parse(self.mode))
@@ -108,6 +116,17 @@ class ActScheme:
             raise ConfigError(f"activation EMA momentum must lie in [0, 1), got {self.momentum}")
         if not self.eps > 0:
             raise ConfigError(f"activation range floor eps must be positive, got {self.eps}")
+        if not 0.0 < self.clip <= 1.0:
+            raise ConfigError(f"activation clip ratio must lie in (0, 1], got {self.clip}: it is the fraction of "
+                              "each token's range the scale covers (e.g. 0.9)")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ConfigError(f"the number of sink tokens must be a non-negative integer, got {self.sinks!r}")
+        if self.sinks and (self.bits >= 8 or self.mode is not ActMode.DYNAMIC):
+            raise ConfigError("sink tokens take 8-bit activations in place of dynamic 4-bit ones: use them with "
+                              "--act-bits 4 and dynamic scales, or drop --act-sinks")
+        if self.clip < 1.0 and self.mode is not ActMode.DYNAMIC:
+            raise ConfigError("activation clipping shrinks dynamic scales; static and online ranges are fixed "
+                              "beforehand: use --act-mode dynamic or drop --act-clip")
 
 
 @dataclass(frozen=True)
@@ -146,6 +165,10 @@ class QuantScheme:
             text += "-apt"
         if self.act is not None and not self.act.symmetric:
             text += "-aasym"
+        if self.act is not None and self.act.clip < 1.0:
+            text += f"-ac{self.act.clip * 100:g}"
+        if self.act is not None and self.act.sinks:
+            text += f"-as{self.act.sinks}"
         if isinstance(self.granularity, PerGroup):
             text += f"-g{self.granularity.size}"
         elif isinstance(self.granularity, PerTensor):
@@ -158,8 +181,9 @@ class QuantScheme:
 
     def to_dict(self) -> dict:
         """The checkpoint's form. The activation mode is written as `dynamic` (true or false) plus, for online ranges
-        only, `online: true` and the EMA's options: the keys checkpoints have always held. `grid` only when set, so
-        uniform schemes keep their old form (and a checkpoint without the key loads as uniform)."""
+        only, `online: true` and the EMA's options: the keys checkpoints have always held. `grid` (and the
+        activations' `clip`) only when set, so other schemes keep their old form (and a checkpoint without the key
+        loads as before)."""
         grid = {"grid": self.grid} if self.grid is not None else {}
         return grid | {
                 "bits": self.bits, "symmetric": self.symmetric, "granularity": granularity_to_str(self.granularity),
@@ -167,6 +191,8 @@ class QuantScheme:
                     "bits": self.act.bits, "symmetric": self.act.symmetric,
                     "dynamic": self.act.mode is ActMode.DYNAMIC,
                     "granularity": granularity_to_str(self.act.granularity)} | (
+                    {"clip": self.act.clip} if self.act.clip < 1.0 else {}) | (
+                    {"sinks": self.act.sinks} if self.act.sinks else {}) | (
                     {"online": True, "momentum": self.act.momentum, "eps": self.act.eps,
                      "std_floor": self.act.std_floor} if self.act.mode is ActMode.ONLINE else {})}
 
@@ -181,7 +207,8 @@ class QuantScheme:
                 mode=ActMode.from_flags(bool(act["dynamic"]), bool(act.get("online", False))),
                 granularity=granularity_from_str(act["granularity"]),
                 momentum=float(act.get("momentum", 0.9)), eps=float(act.get("eps", 1e-5)),
-                std_floor=bool(act.get("std_floor", False))),
+                std_floor=bool(act.get("std_floor", False)), clip=float(act.get("clip", 1.0)),
+                sinks=int(act.get("sinks", 0))),
             grid=data.get("grid"),
         )
 
@@ -222,15 +249,17 @@ def granularity_from_str(text: str) -> Granularity:
     return table[text]()
 
 
-_SUFFIX = rf"-(g-?\d+|pt|asym|sym|apt|aasym|astatic|aonline|{'|'.join(GRIDS)})"
+_SUFFIX = rf"-(g-?\d+|pt|asym|sym|apt|aasym|ac\d+(?:\.\d+)?|as\d+|astatic|aonline|{'|'.join(GRIDS)})"
 _SCHEME_RE = re.compile(rf"^w(\d+)a(\d+)((?:{_SUFFIX})*)$")
 
 
 def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
                 act_bits: int | None = None, static_act: bool = False, act_mode: ActMode | str | None = None,
-                grid: str | None = None, **online: float | bool) -> QuantScheme:
+                grid: str | None = None, act_clip: float = 1.0, act_symmetric: bool = True, act_sinks: int = 0,
+                **online: float | bool) -> QuantScheme:
     """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`, `--act-mode` (or
-    `--static`), `--grid`; `online` takes the online mode's `momentum`, `eps` and `std_floor`."""
+    `--static`), `--grid`, `--act-clip`, `--act-asym`, `--act-sinks`; `online` takes the online mode's `momentum`,
+    `eps` and `std_floor`."""
     mode = ActMode.parse(act_mode or (ActMode.STATIC if static_act else ActMode.DYNAMIC))
     if group_size is not None:
         granularity: Granularity = PerGroup(group_size)
@@ -239,16 +268,22 @@ def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True
     if mode is not ActMode.DYNAMIC and act_bits in (None, 16):
         raise ConfigError(f"{mode} activation scales need quantized activations: add --act-bits 8")
     if act_bits in (None, 16):
+        given = [flag for flag, unset in (("--act-clip", act_clip == 1.0), ("--act-asym", act_symmetric),
+                                          ("--act-sinks", act_sinks == 0)) if not unset]
+        if given:
+            raise ConfigError(f"{given[0]} applies to quantized activations: add --act-bits 4 (or 8)")
         act = None
     elif mode is ActMode.DYNAMIC:
-        act = ActScheme(bits=act_bits)
+        act = ActScheme(bits=act_bits, clip=act_clip, symmetric=act_symmetric, sinks=act_sinks)
     else:
-        act = ActScheme(bits=act_bits, mode=mode, granularity=PerTensor(), **(online if mode is ActMode.ONLINE else {}))
+        act = ActScheme(bits=act_bits, mode=mode, granularity=PerTensor(), clip=act_clip, symmetric=act_symmetric,
+                        sinks=act_sinks, **(online if mode is ActMode.ONLINE else {}))
     return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act, grid=grid)
 
 
 def parse_scheme(name: str) -> QuantScheme:
-    """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt`, `w8a8-astatic`, `w4a16-g64-nf4`
+    """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt`, `w8a8-astatic`, `w4a16-g64-nf4`,
+    `w4a4-ac90-as1-g64` (activations clipped at 0.90 of each token's range, the first token's in 8 bits)
     (case-insensitive)."""
     match = _SCHEME_RE.match(name.strip().lower())
     if not match:
@@ -268,11 +303,15 @@ def parse_scheme(name: str) -> QuantScheme:
     act = make_scheme(bits, None, symmetric, act_bits).act
     if act is not None:
         mode = ActMode.ONLINE if "aonline" in parts else ActMode.STATIC if "astatic" in parts else ActMode.DYNAMIC
+        clips = [float(part[2:]) / 100 for part in parts if part.startswith("ac")]
+        sinks = [int(part[2:]) for part in parts if re.fullmatch(r"as\d+", part)]
         act = ActScheme(bits=act.bits, symmetric="aasym" not in parts, mode=mode,
-                        granularity=PerTensor() if "apt" in parts or mode is not ActMode.DYNAMIC else PerToken())
-    elif {"apt", "aasym", "astatic", "aonline"} & set(parts):
-        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -astatic, -aonline) without "
-                          "quantized activations")
+                        granularity=PerTensor() if "apt" in parts or mode is not ActMode.DYNAMIC else PerToken(),
+                        clip=clips[-1] if clips else 1.0, sinks=sinks[-1] if sinks else 0)
+    elif {"apt", "aasym", "astatic", "aonline"} & set(parts) or any(re.fullmatch(r"a[cs][\d.]+", part)
+                                                                   for part in parts):
+        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -acN, -asN, -astatic, -aonline) "
+                          "without quantized activations")
     grids = [part for part in parts if part in GRIDS]
     if len(grids) > 1:
         raise ConfigError(f"scheme {name!r} names more than one grid ({', '.join(grids)}); give one")

@@ -90,6 +90,27 @@ def test_quantize_w8a8_and_keep_fp32(capsys, llama_folder: Path, tmp_path: Path)
     assert qconfig["layers"]["model.layers.1.self_attn.o_proj"]["act"]["bits"] == 8
 
 
+def test_quantize_with_clipped_or_asymmetric_activations_and_what_it_refuses(capsys, llama_folder: Path,
+                                                                            tmp_path: Path) -> None:
+    out = tmp_path / "w8a4"
+    code, _, _ = run(capsys, "quantize", llama_folder, "--act-bits", "4", "--act-clip", "0.9", "--out", out)
+    assert code == 0
+    assert json.loads((out / QCONFIG_FILE).read_text())["layers"]["model.layers.1.self_attn.o_proj"]["act"]["clip"] \
+        == pytest.approx(0.9)
+    code, _, _ = run(capsys, "quantize", llama_folder, "--act-bits", "4", "--act-asym", "--out", tmp_path / "aasym")
+    assert code == 0
+    act = json.loads((tmp_path / "aasym" / QCONFIG_FILE).read_text())["layers"]["model.layers.0.mlp.up_proj"]["act"]
+    assert act["symmetric"] is False and "clip" not in act
+    code, _, err = run(capsys, "export", out, "--to", "compressed-tensors", "--out", tmp_path / "ct")
+    assert_one_line_error(code, err, "clips its activations", "--act-clip")
+    for args, words in ((["--act-clip", "0.9"], ("--act-bits",)), (["--act-bits", "4", "--act-clip", "1.5"],
+                                                                    ("clip ratio", "(0, 1]")),
+                        (["--act-bits", "8", "--act-sinks", "1"], ("sink tokens", "--act-bits 4"))):
+        code, _, err = run(capsys, "quantize", llama_folder, *args, "--out", tmp_path / "bad")
+        assert_one_line_error(code, err, *words)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_quantize_with_a_plan_file(capsys, llama_folder: Path, tmp_path: Path) -> None:
     plan = lq.Plan((lq.Rule(r".*\.mlp\..*", lq.parse_scheme("w4a16-g64")), lq.Rule(".*", lq.W8A16)))
     plan.save(tmp_path / "plan.json")
@@ -255,6 +276,25 @@ def test_quantize_preset_is_its_recipe_and_refuses_contradicting_options(capsys,
                        "--out", tmp_path / "other")
     assert_one_line_error(code, err, "--preset w4a8-g64 sets the recipe", "drop --bits or drop --preset")
     assert not (tmp_path / "other").exists()
+
+
+def test_quantize_w4a4_preset_carries_its_rotation_activations_and_kv_cache(llama_folder: Path, wiki_text: Path,
+                                                                           tmp_path: Path) -> None:
+    """Every option `--preset w4a4-kv4` stands for reaches the checkpoint: the online transforms, the activation
+    scheme (bits, zero points, clip) and the 4-bit KV cache."""
+    from llmeasyquant.presets import preset
+
+    chosen = preset("w4a4-kv4")
+    out = tmp_path / "w4a4"
+    assert main(["--quiet", "quantize", str(llama_folder), "--preset", "w4a4-kv4", "--calib", str(wiki_text),
+                 "--calib-samples", "2", "--calib-seqlen", "32", "--out", str(out)]) == 0
+    model, _ = lq.load(out)
+    block = model.model.layers[0]
+    assert (input_transform_of(block.mlp.down_proj) is not None) == chosen.online_rotation
+    assert (input_transform_of(block.self_attn.o_proj) is not None) == chosen.online_attention
+    assert {layer.scheme for layer in quantized_layers(model).values()} == {lq.parse_scheme(chosen.scheme)}
+    kv = json.loads((out / QCONFIG_FILE).read_text())["kv_cache"]["config"]
+    assert kv["key_bits"] == kv["value_bits"] == chosen.kv_bits
 
 
 # errors ------------------------------------------------------------------------------------------------------

@@ -289,3 +289,78 @@ def test_cli_online_rotation(llama_folder, tmp_path):
                  "--bits", "8", "--act-bits", "8", "--out", str(tmp_path / "plain")]) == 0
     plain, _ = lq.load(tmp_path / "plain")
     assert all(m.input_transform is None for m in downs(plain))
+
+
+# ---- the online Hadamard transform of the attention output projection's input -------------------------------------
+
+
+def outs(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer.self_attn.o_proj for layer in model.model.layers]
+
+
+def with_head_outliers(model: torch.nn.Module) -> torch.nn.Module:
+    """Two channels of every o_proj input 20x larger (rows of v_proj scaled): heads with an outlier value channel."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight[[3, 20]] *= 20.0
+    return model
+
+
+@pytest.mark.parametrize("build", ["tied", "untied"])  # hidden sizes 64 = 2^6 and 96 = 32 * 3
+def test_online_attention_transform_leaves_the_float_function_unchanged(build, make_model, random_ids):
+    model = make_model("llama") if build == "tied" else untied_llama_with_biases()
+    with torch.no_grad():
+        before = model(random_ids).logits
+        Rotate(seed=1, online_down=True, online_attention=True).apply_model(model, arch_for(model))
+        after = model(random_ids).logits
+    torch.testing.assert_close(after, before, atol=2e-4, rtol=2e-4)
+    assert all(input_transform_of(m).width == model.config.hidden_size for m in outs(model))
+    assert all(input_transform_of(m) is not None for m in downs(model))
+
+
+def test_online_attention_transform_alone_leaves_the_down_projection_alone(make_model):
+    model = make_model("llama")
+    Rotate(online_attention=True).apply_model(model, arch_for(model))
+    assert all(input_transform_of(m) is not None for m in outs(model))
+    assert all(input_transform_of(m) is None for m in downs(model))
+
+
+def test_online_attention_transform_lowers_the_four_bit_activation_error(make_model, random_ids):
+    reference = with_head_outliers(make_model("llama"))
+    with torch.no_grad():
+        target = reference(random_ids).logits
+    # 4-bit activations on o_proj only, so that the error measured is the one the transform acts on.
+    plan = lq.Plan((lq.Rule(r".*o_proj", lq.parse_scheme("w8a4")), lq.Rule(".*", lq.W8A16)))
+    errors = {}
+    for online in (False, True):
+        model = lq.quantize(copy.deepcopy(reference), [Rotate(online_attention=online), lq.RTN()], plan,
+                            progress=False)
+        with torch.no_grad():
+            errors[online] = float((model(random_ids).logits - target).pow(2).mean())
+    assert errors[True] < errors[False] / 2, errors
+
+
+def test_online_attention_checkpoint_round_trips_and_the_lean_decoder_agrees(make_model, random_ids, tmp_path):
+    model = lq.quantize(with_head_outliers(make_model("llama")), [Rotate(online_attention=True), lq.RTN()],
+                        lq.parse_scheme("w8a4-ac90"), progress=False)
+    with torch.no_grad():
+        expected = model(random_ids).logits
+    lq.save(model, tmp_path / "ckpt")
+    loaded, _ = lq.load(tmp_path / "ckpt")
+    assert all(m.input_transform is not None and m.scheme.act.clip == pytest.approx(0.9) for m in outs(loaded))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(random_ids).logits, expected, atol=1e-5, rtol=1e-5)
+    ids = random_ids[:1, :20]
+    decoder = LeanDecoder(loaded, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(decoder.prefill(ids), loaded(ids).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_cli_online_attention_rotation(llama_folder, tmp_path):
+    out = tmp_path / "rot"
+    assert main(["--quiet", "quantize", str(llama_folder), "--method", "rotate", "--online-attention-rotation",
+                 "--bits", "8", "--act-bits", "4", "--act-clip", "0.9", "--out", str(out)]) == 0
+    model, _ = lq.load(out)
+    assert all(m.input_transform is not None for m in outs(model))
+    assert all(m.input_transform is None for m in downs(model))
+    assert model.llmeasyquant.recipe[0]["online_attention"] is True

@@ -13,7 +13,8 @@ from llmeasyquant.nn.fused import fuse_shared_inputs
 from llmeasyquant.nn.qlinear import forced_kernel
 
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "w8a8-aasym", "w4a16-g32-asym", "w4a16", "w3a16-g32"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "w8a8-aasym", "w8a8-ac80", "w4a16-g32-asym", "w4a16",
+                                    "w3a16-g32"])
 def test_fused_model_gives_the_same_logits(tiny_llama, random_ids, scheme):
     model = lq.quantize(tiny_llama, lq.RTN(), lq.parse_scheme(scheme), progress=False)
     with torch.no_grad():
@@ -79,3 +80,4 @@ def test_falcon_runs_attention_and_mlp_inputs_as_one_gemm():
         separate = model(ids).logits
         assert lq.fuse_shared_inputs(model) == 2
         torch.testing.assert_close(model(ids).logits, separate, atol=1e-5, rtol=1e-5)
+

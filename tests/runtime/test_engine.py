@@ -66,7 +66,7 @@ def test_batched_greedy_equals_the_lean_decoder(engine_for, family):
         assert tokens == alone
 
 
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a16-g32", "w8a16", "w8a8+head"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16-g32", "w8a16", "w8a8+head", "w8a4-as1"])
 def test_eight_in_a_batch_equal_each_alone_on_the_reference_kernel(engine_for, monkeypatch, scheme):
     monkeypatch.setenv("LLMEASYQUANT_KERNEL", "reference")
     body, _, head = scheme.partition("+")
@@ -78,6 +78,17 @@ def test_eight_in_a_batch_equal_each_alone_on_the_reference_kernel(engine_for, m
     together = run_all(engine_for(model), batch)
     alone = [run_all(engine_for(model), [p])[0] for p in batch]
     assert together == alone
+
+
+def test_sink_tokens_in_eight_bits_serve_as_the_lean_decoder_runs_them(engine_for, monkeypatch):
+    """The engine tells each layer its rows' positions (a prompt's first token keeps 8-bit activations) as the lean
+    decoder does: the same greedy tokens, and not those of the model without sinks."""
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", "reference")
+    model = lq.quantize(lively(), RTN(), parse_scheme("w8a4-as1"), progress=False)
+    batch = prompts(4)
+    served = run_all(engine_for(model, kv_dtype="float32"), batch)
+    for prompt, tokens in zip(batch, served, strict=True):
+        assert tokens == LeanDecoder(model, len(prompt) + 12).generate(torch.tensor(prompt), 12).tolist()
 
 
 def test_default_kernels_agreement_is_reported(engine_for, record_property):

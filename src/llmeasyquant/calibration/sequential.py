@@ -24,6 +24,7 @@ from llmeasyquant.methods.base import BlockContext, Method, Quantizer
 from llmeasyquant.methods.stats import calibrate_static_inputs, collect_input_stats, relative_error, run_block
 from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
 from llmeasyquant.models.streaming import BlockStreamer
+from llmeasyquant.nn.positions import row_positions
 from llmeasyquant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,11 @@ def run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, Q
     `stream` reads each block's weights just before its turn (a model loaded by `load_model_streamed`).
 
     Quantized layers run on fixed kernels meanwhile (kernels/choice.py's `pinned`): a block's outputs feed the next
-    block's statistics, and must not depend on which kernel a timing in this process happened to favour."""
-    with choice.pinned():
+    block's statistics, and must not depend on which kernel a timing in this process happened to favour. Each
+    calibration sample is a sequence from position 0, which the layers that keep sink tokens in 8 bits are told
+    (nn/positions.py), so that calibration sees the arithmetic that inference will run."""
+    positions = None if calib is None else torch.arange(calib.shape[-1])
+    with choice.pinned(), row_positions(positions):
         return _run_sequential(model, recipe, plan, calib, progress, stream)
 
 

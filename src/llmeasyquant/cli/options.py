@@ -53,6 +53,16 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-bits", type=int, choices=(4, 8, 16),
                    help="8: dynamic per-token int8 activations (W8A8, W4A8 on integer kernels); 4: 4-bit ones (W4A4: "
                    "with a rotation, --method rotate+gptq); 16: float activations")
+    p.add_argument("--act-clip", type=float, default=1.0, metavar="FRACTION",
+                   help="dynamic activation scales cover this fraction of each token's range, values beyond it "
+                   "saturate (default 1: no clipping). 0.9 lowers 4-bit activations' rounding error (W4A4)")
+    p.add_argument("--act-asym", action="store_true",
+                   help="asymmetric activations: a zero point per token (dynamic) or per layer (static, online), "
+                   "so that a skewed range uses every level (scheme suffix -aasym)")
+    p.add_argument("--act-sinks", type=int, default=0, metavar="N",
+                   help="with --act-bits 4: the first N tokens of each sequence (the attention sink) take 8-bit "
+                   "activations (default 0). 1 is enough for SmolLM2, whose first token carries its massive "
+                   "activations")
     p.add_argument("--act-mode", choices=[mode.value for mode in ActMode],
                    help="with --act-bits 8: 'dynamic' per-token scales computed on the fly (default); 'static' one "
                    "per-tensor scale per layer from calibration data; 'online' a per-tensor range tracked with an "
@@ -121,6 +131,10 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
                    help="rotate: also an online Hadamard transform of each down-projection's input, applied at run "
                    "time by the quantized layer (default: off; our checkpoint keeps it, GGUF, ONNX and "
                    "compressed-tensors exports refuse it; see docs/methods.md)")
+    p.add_argument("--online-attention-rotation", action=argparse.BooleanOptionalAction, default=None,
+                   help="rotate: also an online Hadamard transform of each attention output projection's input (the "
+                   "heads' outputs), as --online-rotation does for the down projection (default: off; for 4-bit "
+                   "activations)")
 
 
 def _alpha(text: str) -> float | str:

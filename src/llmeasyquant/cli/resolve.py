@@ -43,11 +43,15 @@ def _body_scheme_or_plan(args: argparse.Namespace, recipe: list):
         return Plan.load(args.plan)
     mode = act_mode(args)
     grid = getattr(args, "grid", None)
-    if (args.bits, args.group_size, args.act_bits, mode, grid) == (None,) * 5 and not args.asym:
+    clip, act_asym = getattr(args, "act_clip", 1.0), getattr(args, "act_asym", False)
+    sinks = getattr(args, "act_sinks", 0)
+    if ((args.bits, args.group_size, args.act_bits, mode, grid) == (None,) * 5 and not args.asym and clip == 1.0
+            and not act_asym and not sinks):
         return default_scheme(recipe)
     return make_scheme(8 if args.bits is None else args.bits, args.group_size, not args.asym,
-                       16 if args.act_bits is None else args.act_bits, act_mode=mode, grid=grid,
-                       momentum=args.act_momentum, eps=args.act_eps, std_floor=args.act_std_floor)
+                       16 if args.act_bits is None else args.act_bits, act_mode=mode, grid=grid, act_clip=clip,
+                       act_symmetric=not act_asym, act_sinks=sinks, momentum=args.act_momentum, eps=args.act_eps,
+                       std_floor=args.act_std_floor)
 
 
 def act_mode(args: argparse.Namespace) -> ActMode | None:
@@ -81,7 +85,8 @@ def build_simquant(args: argparse.Namespace):
 def method_options(args: argparse.Namespace) -> dict:
     given = {"act_order": args.act_order, "true_sequential": args.true_sequential, "alpha": args.alpha,
              "lkd": args.lkd, "steps": args.lkd_steps, "lr": args.lkd_lr, "samples": args.lkd_samples,
-             "lkd_inputs": args.lkd_inputs, "seed": args.rotation_seed, "online_down": args.online_rotation}
+             "lkd_inputs": args.lkd_inputs, "seed": args.rotation_seed, "online_down": args.online_rotation,
+             "online_attention": getattr(args, "online_attention_rotation", None)}
     return {key: value for key, value in given.items() if value is not None}
 
 
@@ -97,7 +102,11 @@ def apply_preset(args: argparse.Namespace) -> None:
     given = [flag for flag, value in (("--method", args.method), ("--bits", args.bits), ("--group-size",
              args.group_size), ("--asym", args.asym or None), ("--act-bits", args.act_bits), ("--plan", args.plan),
              ("--act-mode", args.act_mode), ("--static", args.static or None), ("--grid", args.grid),
-             ("--online-rotation", args.online_rotation))
+             ("--online-rotation", args.online_rotation),
+             ("--online-attention-rotation", getattr(args, "online_attention_rotation", None)),
+             ("--act-clip", None if getattr(args, "act_clip", 1.0) == 1.0 else args.act_clip),
+             ("--act-asym", getattr(args, "act_asym", False) or None),
+             ("--act-sinks", getattr(args, "act_sinks", 0) or None))
              if value is not None]
     for flag, mine, theirs in (("--lm-head", args.lm_head, chosen.lm_head), ("--kv-bits", args.kv_bits,
                                                                               chosen.kv_bits)):
@@ -109,7 +118,11 @@ def apply_preset(args: argparse.Namespace) -> None:
     scheme = parse_scheme(chosen.scheme)
     args.method, args.bits, args.group_size = chosen.method, scheme.bits, scheme.group_size
     args.asym, args.act_bits = not scheme.symmetric, 16 if scheme.act is None else scheme.act.bits
+    args.act_clip = 1.0 if scheme.act is None else scheme.act.clip
+    args.act_asym = scheme.act is not None and not scheme.act.symmetric
+    args.act_sinks = 0 if scheme.act is None else scheme.act.sinks
     args.grid, args.online_rotation = scheme.grid, chosen.online_rotation or None
+    args.online_attention_rotation = chosen.online_attention or None
     args.lm_head = args.lm_head if chosen.lm_head is None else chosen.lm_head
     args.kv_bits = args.kv_bits if chosen.kv_bits is None else chosen.kv_bits
     args.calib = args.calib or "wikitext2"

@@ -23,11 +23,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llmeasyquant.errors import CheckpointError, ConfigError
 from llmeasyquant.infra.files import check_output, staged_folder
-from llmeasyquant.models.arch import get_module, is_linear, linear_weight, set_module
+from llmeasyquant.models.arch import arch_for, get_module, is_linear, linear_weight, set_module
 from llmeasyquant.models.experts import unfuse_experts
 from llmeasyquant.nn.kv.cache import KVCacheSpec
 from llmeasyquant.nn.kv.calibration import KeyRanges
 from llmeasyquant.nn.kv.config import KVQuantConfig
+from llmeasyquant.nn.positions import track_positions
 from llmeasyquant.nn.qlinear import FULL_PRECISION_STATE, QuantLinear, quantized_layers
 from llmeasyquant.nn.transform import HadamardTransform, attach_input_transform
 from llmeasyquant.scheme import QuantScheme
@@ -206,6 +207,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Modul
         has_bias = getattr(module, "bias", None) is not None
         set_module(model, name, QuantLinear(in_features, out_features, scheme, has_bias, dtype))
     _add_input_transforms(model, qconfig.get("input_transforms", {}), path)
+    track_positions(model, arch_for(model).blocks, schemes.values())
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         tensors.update(_read_tensors(path, file))

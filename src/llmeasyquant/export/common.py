@@ -55,7 +55,8 @@ class ExportResult:
 
 def layers_to_export(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
     """The model's QuantLinear layers by module name; a model that is not quantized cannot be exported, nor one
-    whose layers transform their input online (rotate's online Hadamard), which `fmt`'s graph has no place for."""
+    whose layers transform their input online (rotate's online Hadamard) or clip their activations (--act-clip),
+    which `fmt`'s graph has no place for."""
     layers = quantized_layers(model)
     if not layers:
         raise ConfigError("this model has no quantized layers; quantize it (llmeasyquant quantize) before exporting")
@@ -65,6 +66,12 @@ def layers_to_export(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
                           f"its input, which the {fmt} format cannot carry: the exported model would compute "
                           "another function. Quantize without the online rotation (--no-online-rotation; the "
                           "offline rotation of the residual stream exports fine) or keep our checkpoint format")
+    clipped = [name for name, layer in layers.items() if layer.scheme.act is not None and layer.scheme.act.clip < 1]
+    if clipped:
+        raise ConfigError(f"{clipped[0]} (and {len(clipped) - 1} more layers) clips its activations "
+                          f"(--act-clip {layers[clipped[0]].scheme.act.clip:g}), which the {fmt} format has no way to "
+                          "express: the exported model would round activations differently. Quantize without "
+                          "--act-clip or keep our checkpoint format")
     return layers
 
 

@@ -220,18 +220,22 @@ def tile_int4_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 class NativeInt4Int8Kernel:
-    """W4A8 (and W4A4) on the native integer matmul: dynamic symmetric int8 (or 4-bit) activations per token (the
+    """W4A8 (and W4A4) on the native integer matmul: dynamic int8 (or 4-bit) activations per token (symmetric: the
     fused quantize_rows), 4-bit group-wise weights unpacked to bytes in registers, int32 sums per group (VNNI where
     the CPU has it) scaled in fp32: the reference kernel's integer product, exact per group (bit for bit with
     per-channel weights; with groups, the fp32 sum over groups may round differently). Groups must be multiples of 8
-    wide (or span the row)."""
+    wide (or span the row).
+
+    Asymmetric activations (codes q_x with a zero point z_x per token): the kernel multiplies q_x as they are, and
+    s_x Σ_k (q_x - z_x) Ŵ_k = kernel(q_x) - s_x z_x Σ_k Ŵ_k, with Σ_k Ŵ_k (each output channel's dequantized weight
+    sum) computed once in prepare: one rank-1 correction, no second pass over the weights."""
 
     name = "cpu_native_w4a8"
 
     def supports(self, layer) -> bool:
         act = layer.scheme.act
         group_ok = layer.group_size % 8 == 0 or layer.group_size >= layer.in_features
-        return (layer.scheme.bits == 4 and act is not None and act.symmetric and act.mode is ActMode.DYNAMIC
+        return (layer.scheme.bits == 4 and act is not None and act.mode is ActMode.DYNAMIC
                 and isinstance(act.granularity, PerToken) and group_ok and native.ops() is not None)
 
     def prepare(self, layer) -> dict:
@@ -242,17 +246,28 @@ class NativeInt4Int8Kernel:
         if layer.zeros is not None:
             offsets += layer.zeros.to(torch.int32)
         # [groups, padded out]: the 16 channels of a tile read their scales and offsets as one vector each.
-        return {"tiled": tiled,
-                "scales": torch.nn.functional.pad(layer.scales.float().t(), (0, extra)).contiguous(),
-                "offsets": torch.nn.functional.pad(offsets.t(), (0, extra)).contiguous()}
+        prepared = {"tiled": tiled,
+                    "scales": torch.nn.functional.pad(layer.scales.float().t(), (0, extra)).contiguous(),
+                    "offsets": torch.nn.functional.pad(offsets.t(), (0, extra)).contiguous()}
+        if not layer.scheme.act.symmetric:
+            prepared["weight_sums"] = layer.dequantize().sum(dim=1)
+        return prepared
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         ops = native.built()  # a layer that chose this kernel keeps it if the switch is turned off later
+        act = layer.scheme.act
         with scope(QUANTIZE_ACTIVATIONS):
-            qx, x_scale = ops.quantize_rows(x, MIN_SCALE, qrange(layer.scheme.act.bits)[1])
+            if act.symmetric:
+                qx, x_scale = ops.quantize_rows(x, MIN_SCALE, qrange(act.bits)[1])
+            else:
+                qp = layer.activation_qparams(x)
+                qx, x_scale = quantize(x, qp, act.bits), qp.scale
         with scope(NATIVE_GEMM):
-            return ops.int4_int8_matmul(qx, x_scale, prepared["tiled"], prepared["scales"], prepared["offsets"],
-                                        layer.group_size, layer.out_features)
+            y = ops.int4_int8_matmul(qx, x_scale, prepared["tiled"], prepared["scales"], prepared["offsets"],
+                                     layer.group_size, layer.out_features)
+        if act.symmetric:
+            return y
+        return y - (x_scale * qp.zero) * prepared["weight_sums"][None, :]
 
 
 @dataclass(frozen=True)

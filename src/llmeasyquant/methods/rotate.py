@@ -17,7 +17,9 @@ offline rotation reaches (the activation sits between up and down), and whose fe
 W8A8's activations and the Hessian of GPTQ. Each down-projection then takes W <- W Q' offline and applies x -> x Q'
 to its input at run time (nn/transform.py; the fast transform in kernels/hadamard.py), Q' of the same construction
 over the intermediate size with the same seed: 1536 = 512 * 3 uses H of order 512 (9 butterfly stages at run time)
-and O of order 3. The float function is unchanged; the transform runs wherever the layer runs (it is part of the
+and O of order 3. `online_attention=True` does the same for the attention output projection, whose input (the
+heads' outputs side by side) no offline rotation of the stream reaches either; it spreads that input's outliers for
+4-bit activations. The float function is unchanged; the transform runs wherever the layer runs (it is part of the
 layer), and exporters that cannot express it refuse the model.
 
 The matrix: a random Hadamard-like rotation of the hidden size d = 2^a * m (m odd), Q = diag(s) (H ⊗ O) / sqrt(2^a),
@@ -98,12 +100,14 @@ def _rotate_output(linear: nn.Module, q: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class Rotate(ModelTransform):
     """A rotation of the residual stream folded into the weights (module docstring); `seed` picks the matrix.
-    `online_down`: also an online Hadamard transform of each down-projection's input (module docstring)."""
+    `online_down`: also an online Hadamard transform of each down-projection's input; `online_attention`: of each
+    attention output projection's input, the heads' outputs side by side (module docstring)."""
 
     name: ClassVar[str] = "rotate"
     default_scheme: ClassVar[str] = "w4a16-g128-asym"
     seed: int = 0
     online_down: bool = False
+    online_attention: bool = False
 
     def apply_model(self, model: nn.Module, arch: ArchSpec) -> None:
         spec = arch.rotation
@@ -133,19 +137,31 @@ class Rotate(ModelTransform):
             head = get_module(model, arch.lm_head)
             _fold_norm_into(get_module(model, arch.final_norm), [head], arch.norm_offset)
             _rotate_input(head, q)
-            if self.online_down:
-                self._transform_online(model, arch)
+            online = self._online_paths(arch)
+            if online:
+                self._transform_online(model, arch, online)
         log.info("rotated the residual stream of %d channels (seed %d) into the weights%s", hidden, self.seed,
-                 ", with an online Hadamard transform of the down-projection's input" if self.online_down else "")
+                 f", with an online Hadamard transform of the input of {', '.join(online)}" if online else "")
 
-    def _transform_online(self, model: nn.Module, arch: ArchSpec) -> None:
-        """W <- W Q for each `online` linear, which then applies x -> x Q to its input at run time."""
-        if not arch.rotation.online:
-            raise ConfigError(f"the {arch.family} family names no linear for an online Hadamard transform; "
-                              "rotate without it (--no-online-rotation)")
+    def _online_paths(self, arch: ArchSpec) -> tuple[str, ...]:
+        """The linears (paths in a block) that transform their input online, as the options ask."""
+        paths: tuple[str, ...] = ()
+        if self.online_down:
+            if not arch.rotation.online:
+                raise ConfigError(f"the {arch.family} family names no linear for an online Hadamard transform; "
+                                  "rotate without it (--no-online-rotation)")
+            paths += arch.rotation.online
+        if self.online_attention:
+            # The heads' outputs reach o_proj side by side; nothing between them and it but the head concatenation,
+            # so any orthogonal Q on o_proj's input is exact (W <- W Q, x -> x Q), as for the down projection.
+            paths += (arch.attention.o,)
+        return paths
+
+    def _transform_online(self, model: nn.Module, arch: ArchSpec, paths: tuple[str, ...]) -> None:
+        """W <- W Q for each linear of `paths`, which then applies x -> x Q to its input at run time."""
         factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for block in get_module(model, arch.blocks):
-            for path in arch.rotation.online:
+            for path in paths:
                 linear = get_module(block, path)
                 if input_transform_of(linear) is not None:
                     raise ConfigError(f"{path} already applies an online Hadamard transform: this model was rotated "

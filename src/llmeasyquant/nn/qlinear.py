@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -15,10 +16,12 @@ from llmeasyquant.grid import grid_levels, level_count
 from llmeasyquant.kernels.choice import is_pinned, row_bucket
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, scope
 from llmeasyquant.nn.observers import ema_step, observed_extremes
+from llmeasyquant.nn.positions import sink_rows
 from llmeasyquant.primitives import (
     QParams,
     check_finite,
     choose_qparams,
+    clip_activations,
     dequantize,
     pack_bits,
     pack_int4,
@@ -229,6 +232,7 @@ class QuantLinear(nn.Module):
         """Drop what the kernel prepared from the buffers (after they were overwritten in place); a fused layer's
         buffers are views into its group's, so the group's preparation goes too."""
         self._kernels, self._prepared = {}, {}
+        self.__dict__.pop("_sink_twin", None)
         if self.shared is not None:
             self.shared[0].combined.forget_kernel()
 
@@ -278,6 +282,33 @@ class QuantLinear(nn.Module):
             return self._compute(x)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        # Clipping and sink rows here rather than in forward: fused members pass one input tensor to the combined
+        # layer, which runs them once.
+        act = self.scheme.act
+        sinks = None if act is None or not act.sinks else sink_rows(x.numel() // self.in_features, act.sinks)
+        clipped = x if act is None or act.clip >= 1.0 else clip_activations(x, act.clip, act.symmetric,
+                                                                             act.granularity)
+        y = self._run_kernel(clipped)
+        if sinks is not None:  # the first positions of each sequence again, with 8-bit activations
+            rows = y.view(-1, self.out_features)
+            rows[sinks] = self._sink_layer()._run_kernel(x.reshape(-1, self.in_features)[sinks]).to(y.dtype)
+        return y
+
+    def _sink_layer(self) -> QuantLinear:
+        """This layer with 8-bit unclipped activations and no sinks, for the sink rows: the same buffers and the same
+        prepared weights (kernels that take both activation widths prepare nothing that depends on them), made once
+        and kept outside the module tree (not a submodule: no state of its own)."""
+        twin = self.__dict__.get("_sink_twin")
+        if twin is None:
+            twin = QuantLinear.__new__(QuantLinear)
+            twin.__dict__.update(self.__dict__)
+            act = dataclasses.replace(self.scheme.act, bits=8, clip=1.0, sinks=0)
+            twin.scheme = dataclasses.replace(self.scheme, act=act)
+            twin._kernels, twin.shared = {}, None
+            self.__dict__["_sink_twin"] = twin
+        return twin
+
+    def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:  # the decode loop's case: no reshaping or casting to do
             kernel = self.kernel(x.shape[0])
             y = kernel.run(self, x, self._prepared[kernel.name])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from llmeasyquant.nn.positions import row_positions
 from llmeasyquant.runtime.kv_pool import KVPool, Rows
 from llmeasyquant.runtime.model_parts import NO_NORM, DecoderParts
 
@@ -34,6 +35,10 @@ class BatchDecoder:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, rows: Rows, wanted: torch.Tensor) -> torch.Tensor:
+        with row_positions(rows.positions):  # for layers that keep sink tokens in 8 bits (nn/positions.py)
+            return self._forward(ids, rows, wanted)
+
+    def _forward(self, ids: torch.Tensor, rows: Rows, wanted: torch.Tensor) -> torch.Tensor:
         parts, pool = self.parts, self.pool
         cos, sin = parts.cos[rows.positions].float(), parts.sin[rows.positions].float()  # [rows, dim]
         x = parts.embed(ids).float()  # [rows, hidden]; the pool operators take fp32 rows

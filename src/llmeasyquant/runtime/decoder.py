@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmeasyquant.models.arch import apply_rope
+from llmeasyquant.nn.positions import row_positions
 from llmeasyquant.runtime.model_parts import NO_NORM, DecoderParts
 
 
@@ -80,7 +81,9 @@ class LeanDecoder:
         return self.parts.logits(hidden)[0]
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._fused_run(ids) if self.fused_ops is not None else self._run(ids)
+        # The rows' positions, for layers that keep sink tokens in 8 bits (nn/positions.py).
+        with row_positions(torch.arange(self.length, self.length + ids.shape[0])):
+            return self._fused_run(ids) if self.fused_ops is not None else self._run(ids)
 
     def _run(self, ids: torch.Tensor) -> torch.Tensor:
         """The hidden state [1, hidden] of the last of `ids` [T], their keys and values written to the cache."""
