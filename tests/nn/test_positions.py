@@ -57,3 +57,25 @@ def test_sink_tokens_run_in_eight_bits_everywhere_the_model_runs(tiny_llama, ran
     loaded, _ = lq.load(tmp_path / "ckpt")  # the checkpoint's schemes ask for the positions again
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits[0], got)
+
+
+def test_two_threads_running_one_model_each_see_their_own_positions(tiny_llama, random_ids):
+    import threading
+
+    attach_position_hooks(tiny_llama.model)
+    seen: dict[int, set[int]] = {}
+    tiny_llama.model.layers[0].mlp.up_proj.register_forward_hook(
+        lambda *_: seen.setdefault(threading.get_ident(), set()).add(current_positions().numel()))
+
+    def run(length: int) -> None:
+        with torch.no_grad():
+            for _ in range(5):
+                tiny_llama(random_ids[:1, :length])
+
+    threads = [threading.Thread(target=run, args=(length,)) for length in (7, 11)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(map(sorted, seen.values())) == [[7], [11]]
+    assert current_positions() is None

@@ -14,6 +14,7 @@ and nested calls restore the outer value.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -77,15 +78,17 @@ def attach_position_hooks(decoder: nn.Module) -> None:
     for its duration. Once per module; a no-op the second time."""
     if getattr(decoder, _HOOKED, False):
         return
-    tokens: list = []
+    calls = threading.local()  # each thread's open calls: two threads may run one model at once
 
     def enter(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         positions = _positions_from_call(args, kwargs)
-        tokens.append(_POSITIONS.set(None if positions is None else positions.reshape(-1)))
+        if not hasattr(calls, "tokens"):
+            calls.tokens = []
+        calls.tokens.append(_POSITIONS.set(None if positions is None else positions.reshape(-1)))
 
     def leave(_module: nn.Module, _args: tuple, _kwargs: dict, _output: Any) -> None:
-        if tokens:
-            _POSITIONS.reset(tokens.pop())
+        if getattr(calls, "tokens", None):
+            _POSITIONS.reset(calls.tokens.pop())
 
     decoder.register_forward_pre_hook(enter, with_kwargs=True)
     decoder.register_forward_hook(leave, with_kwargs=True, always_call=True)
