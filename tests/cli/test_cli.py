@@ -103,6 +103,11 @@ def test_quantize_with_clipped_or_asymmetric_activations_and_what_it_refuses(cap
     assert act["symmetric"] is False and "clip" not in act
     code, _, err = run(capsys, "export", out, "--to", "compressed-tensors", "--out", tmp_path / "ct")
     assert_one_line_error(code, err, "clips its activations", "--act-clip")
+    code, _, _ = run(capsys, "quantize", llama_folder, "--act-bits", "4", "--act-sinks", "1", "--out", tmp_path / "s")
+    assert code == 0
+    code, _, err = run(capsys, "export", tmp_path / "s", "--to", "compressed-tensors", "--out", tmp_path / "ct")
+    assert_one_line_error(code, err, "in 8 bits", "--act-sinks")
+    assert not (tmp_path / "ct").exists()
     for args, words in ((["--act-clip", "0.9"], ("--act-bits",)), (["--act-bits", "4", "--act-clip", "1.5"],
                                                                     ("clip ratio", "(0, 1]")),
                         (["--act-bits", "8", "--act-sinks", "1"], ("sink tokens", "--act-bits 4"))):

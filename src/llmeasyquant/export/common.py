@@ -55,8 +55,8 @@ class ExportResult:
 
 def layers_to_export(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
     """The model's QuantLinear layers by module name; a model that is not quantized cannot be exported, nor one
-    whose layers transform their input online (rotate's online Hadamard) or clip their activations (--act-clip),
-    which `fmt`'s graph has no place for."""
+    whose layers transform their input online (rotate's online Hadamard), clip their activations (--act-clip) or keep
+    sink tokens in 8 bits (--act-sinks), which `fmt`'s graph has no place for."""
     layers = quantized_layers(model)
     if not layers:
         raise ConfigError("this model has no quantized layers; quantize it (llmeasyquant quantize) before exporting")
@@ -66,12 +66,15 @@ def layers_to_export(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
                           f"its input, which the {fmt} format cannot carry: the exported model would compute "
                           "another function. Quantize without the online rotation (--no-online-rotation; the "
                           "offline rotation of the residual stream exports fine) or keep our checkpoint format")
-    clipped = [name for name, layer in layers.items() if layer.scheme.act is not None and layer.scheme.act.clip < 1]
-    if clipped:
-        raise ConfigError(f"{clipped[0]} (and {len(clipped) - 1} more layers) clips its activations "
-                          f"(--act-clip {layers[clipped[0]].scheme.act.clip:g}), which the {fmt} format has no way to "
-                          "express: the exported model would round activations differently. Quantize without "
-                          "--act-clip or keep our checkpoint format")
+    options = (("--act-clip", lambda act: act.clip < 1, lambda act: f"clips its activations (--act-clip {act.clip:g})"),
+               ("--act-sinks", lambda act: act.sinks > 0,
+                lambda act: f"keeps its first {act.sinks} positions' activations in 8 bits (--act-sinks {act.sinks})"))
+    for option, differs, says in options:
+        named = [name for name, layer in layers.items() if layer.scheme.act is not None and differs(layer.scheme.act)]
+        if named:
+            raise ConfigError(f"{named[0]} (and {len(named) - 1} more layers) {says(layers[named[0]].scheme.act)}, "
+                              f"which the {fmt} format has no way to express: the exported model would round "
+                              f"activations differently. Quantize without {option} or keep our checkpoint format")
     return layers
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,14 +25,23 @@ from torch import nn
 if TYPE_CHECKING:
     from llmeasyquant.scheme import QuantScheme
 
-_POSITIONS: ContextVar[torch.Tensor | None] = ContextVar("llmeasyquant_row_positions", default=None)
+# (positions [rows], their smallest): the smallest, read once per model call, lets every layer of a decode step past
+# the sinks skip the mask without a tensor operation.
+_POSITIONS: ContextVar[tuple[torch.Tensor, int] | None] = ContextVar("llmeasyquant_row_positions", default=None)
 _HOOKED = "_llmeasyquant_position_hooks"
+
+
+def _set(positions: torch.Tensor | None) -> Token:
+    if positions is None:
+        return _POSITIONS.set(None)
+    flat = positions.reshape(-1)
+    return _POSITIONS.set((flat, int(flat.min()) if flat.numel() else 0))
 
 
 @contextlib.contextmanager
 def row_positions(positions: torch.Tensor | None) -> Iterator[None]:
     """Within the block, the rows of each layer call are at `positions` (any shape; flattened in row order)."""
-    token = _POSITIONS.set(None if positions is None else positions.reshape(-1))
+    token = _set(positions)
     try:
         yield
     finally:
@@ -41,17 +50,17 @@ def row_positions(positions: torch.Tensor | None) -> Iterator[None]:
 
 def current_positions() -> torch.Tensor | None:
     """The positions [rows] of the current call's rows, or None when nobody said them."""
-    return _POSITIONS.get()
+    held = _POSITIONS.get()
+    return None if held is None else held[0]
 
 
 def sink_rows(rows: int, sinks: int) -> torch.Tensor | None:
     """Bool [rows]: which rows of a call of `rows` rows are among the first `sinks` positions of their sequence; None
     when none are, or when the positions are unknown or are not one per row (e.g. an expert that sees some tokens)."""
-    positions = _POSITIONS.get()
-    if sinks <= 0 or positions is None or positions.numel() != rows:
+    held = _POSITIONS.get()
+    if sinks <= 0 or held is None or held[1] >= sinks or held[0].numel() != rows:
         return None
-    mask = positions < sinks
-    return mask if bool(mask.any()) else None
+    return held[0] < sinks
 
 
 def _positions_from_call(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -84,7 +93,7 @@ def attach_position_hooks(decoder: nn.Module) -> None:
         positions = _positions_from_call(args, kwargs)
         if not hasattr(calls, "tokens"):
             calls.tokens = []
-        calls.tokens.append(_POSITIONS.set(None if positions is None else positions.reshape(-1)))
+        calls.tokens.append(_set(positions))
 
     def leave(_module: nn.Module, _args: tuple, _kwargs: dict, _output: Any) -> None:
         if getattr(calls, "tokens", None):
