@@ -1,8 +1,10 @@
 """SimQuant KV-cache benchmark on SmolLM2-135M: perplexity through the quantized cache, ablations, memory, generation.
 
-    python benchmarks/kv_cache.py [--seqlen 512,2048] [--max-windows 20] [--configs k4,k3,...] [--out FILE.json]
+    python benchmarks/kv_cache.py [--seqlen 512,2048] [--max-windows 20] [--configs k4,k3,...] [--text wikitext2]
+        [--out FILE.json]
 
-Protocol: WikiText-2 raw test (shipped, `wikitext2`), windows of `seqlen` tokens without BOS, the first `max_windows`;
+Protocol: WikiText-2 raw test (shipped, `wikitext2`; `--text pyref` the second domain, any text `--text` takes),
+windows of `seqlen` tokens without BOS, the first `max_windows`;
 fp32 weights; every window's keys and values are written to the cache and read back by attention. KL and top-1 are
 against the same model with the unquantized cache. Key ranges are calibrated on the first 16 consecutive 512-token
 chunks of WikiText-2 validation. Memory: one 2048-token window through the cache, bytes held by the cache object
@@ -38,6 +40,12 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     "k3-b16-o3": (THREE | {"key_block": 16, "outliers": 0.047}, True),
     # ... and the 2 most sensitive key channels per head in fp16: the 3-bit defaults, still below 4-bit memory
     "k3-b16-o3-c2": (THREE | {"key_block": 16, "outliers": 0.047, "key_channels": 2}, True),
+    # 3 bits with more side information than its defaults (ablations of the bytes against the accuracy)
+    "k3-b8": (THREE | {"key_block": 8, "outliers": 0.047, "key_channels": 2}, True),
+    "k3-c4": (THREE | {"key_block": 16, "outliers": 0.047, "key_channels": 4}, True),
+    "k3-o5": (THREE | {"key_block": 16, "outliers": 0.078, "key_channels": 2}, True),
+    "k3-b8-c4-o5": (THREE | {"key_block": 8, "outliers": 0.078, "key_channels": 4}, True),
+    "k2-b8-c4-o5": ({"key_bits": 2, "value_bits": 2, "key_block": 8, "outliers": 0.078, "key_channels": 4}, True),
     "k4-c2": ({"key_channels": 2}, True),
     "k4-nf": ({"levels": "nf"}, True),
     "k3-nf": (THREE | {"levels": "nf"}, True),
@@ -82,11 +90,11 @@ def chosen_configs(parser: argparse.ArgumentParser, configs: str) -> list[str]:
     return names
 
 
-def model_text_calibration(samples: int) -> tuple:
-    """What every KV benchmark runs on: SmolLM2, WikiText-2 raw test, and calibration ids from the first `samples`
-    512-token chunks of WikiText-2 validation (with their source)."""
+def model_text_calibration(samples: int, text: str = "wikitext2") -> tuple:
+    """What every KV benchmark runs on: SmolLM2, the evaluation `text` (WikiText-2 raw test by default), and
+    calibration ids from the first `samples` 512-token chunks of WikiText-2 validation (with their source)."""
     model, tokenizer = lq.load_model("smollm2-135m")
-    text = load_text("wikitext2")
+    text = load_text(text)
     calib, source = calibration_ids("wikitext2", model, tokenizer, samples, 512, 0)
     return model, tokenizer, text, calib, source
 
@@ -124,11 +132,12 @@ def main() -> int:
     parser.add_argument("--max-windows", type=int, default=20)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--text", default="wikitext2", help="evaluation text (calibration stays WikiText-2)")
     parser.add_argument("--no-extras", action="store_true", help="skip the memory and generation checks")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_cache.json"))
     args = parser.parse_args()
     names = chosen_configs(parser, args.configs)
-    model, tokenizer, text, calib, source = model_text_calibration(args.calib_samples)
+    model, tokenizer, text, calib, source = model_text_calibration(args.calib_samples, args.text)
     specs, ranges = {}, {}
     for name in names:
         options, calibrated = CONFIGS[name]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmeasyquant import record
 from llmeasyquant.errors import DataError
 from llmeasyquant.plan import Plan
 from llmeasyquant.record import PROTOCOL_KEYS, SCHEMA_VERSION, Record, read_records, this_command, write_records
@@ -115,3 +116,12 @@ def test_a_records_command_names_paths_without_this_machines_folders(monkeypatch
                                       "-"])
     assert this_command() == "bench.py --out results/run.json --tools=bin --seed 3 -"
     assert "/" not in this_command().replace("results/run.json", "")
+
+
+def test_the_machine_names_its_cpu_model(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n"
+                    "processor\t: 1\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n")
+    assert record.cpu_model(info) == "AMD EPYC 9R14 96-Core Processor"
+    assert record.cpu_model(tmp_path / "missing") == record.platform.processor()
+    assert "cpu" in record.machine()

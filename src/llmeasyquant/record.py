@@ -57,8 +57,22 @@ def versions() -> dict[str, str]:
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads()}
+    return {"platform": platform.platform(), "processor": platform.machine(), "cpu": cpu_model(),
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name ("Intel(R) Xeon(R) ...", "AMD EPYC ..."): speeds, and the last bits of float
+    reductions, differ between machines of the same architecture, so a figure names the model it ran on. Where
+    Linux's cpuinfo is missing, what `platform` knows (often empty)."""
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def this_command() -> str:

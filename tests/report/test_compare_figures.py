@@ -119,6 +119,8 @@ def test_protocol_caption() -> None:
     records = make_records()
     assert protocol_caption(records) == ("SmolLM2-135M-Instruct · WikiText-2 raw test (file wiki.test.raw) · "
                                          "20 windows × 512 tokens · 2 threads · x86_64, 16 CPUs")
+    records[0].machine["cpu"] = "AMD EPYC 9R14"  # the CPU model, where a record names it, beats the architecture
+    assert protocol_caption(records).endswith("2 threads · AMD EPYC 9R14, 16 CPUs")
     records[2].protocol["seqlen"] = 2048
     records[0] = dataclasses.replace(records[0], model="./my-model")
     records[0].protocol["text_sha256"] = "0" * 64  # not a known evaluation split: the source as recorded

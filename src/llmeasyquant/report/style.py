@@ -90,9 +90,9 @@ def protocol_caption(records: list[Record]) -> str:
     threads = protocol.get("threads", machine.get("threads"))
     if threads is not None:
         parts.append(f"{threads} threads")
-    if machine.get("processor") or machine.get("cpus"):
-        parts.append(", ".join(str(x) for x in (machine.get("processor"), machine.get("cpus") and
-                                                 f"{machine['cpus']} CPUs") if x))
+    processor = machine.get("cpu") or machine.get("processor")  # the CPU model where the record names it
+    if processor or machine.get("cpus"):
+        parts.append(", ".join(str(x) for x in (processor, machine.get("cpus") and f"{machine['cpus']} CPUs") if x))
     differ = [k for k in CAPTION_KEYS if any(r.protocol.get(k) != protocol.get(k) for r in records)]
     if differ:
         parts.append(f"rows differ in {', '.join(differ)}")
