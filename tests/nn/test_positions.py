@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 import llmeasyquant as lq
@@ -60,8 +62,6 @@ def test_sink_tokens_run_in_eight_bits_everywhere_the_model_runs(tiny_llama, ran
 
 
 def test_two_threads_running_one_model_each_see_their_own_positions(tiny_llama, random_ids):
-    import threading
-
     attach_position_hooks(tiny_llama.model)
     seen: dict[int, set[int]] = {}
     tiny_llama.model.layers[0].mlp.up_proj.register_forward_hook(
