@@ -195,6 +195,57 @@ def test_w8a8_kernel_is_bit_identical_with_and_without_them(ops, monkeypatch, co
         assert torch.equal(layer(x), fused)
 
 
+def exact_int_product(qx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return (qx.long() @ q.long().t()).int()  # int64 sums: exact, and they fit int32 at these widths
+
+
+@pytest.mark.parametrize(("width", "out_features"), [(64, 4), (100, 7), (576, 192), (1000, 33), (4097, 9)])
+@pytest.mark.parametrize("count", [1, 3, 4, 5, 9])
+def test_int8_int8_matmul_is_the_exact_integer_product_scaled(ops, width, out_features, count):
+    """Codes over the whole int8 range (-128 included, where the unsigned offset of the VNNI path matters), widths
+    that are not multiples of 64 (masked tails), channels not a multiple of 4 and rows around the 4 that share loads."""
+    gen = torch.Generator().manual_seed(width + count)
+    qx = torch.randint(-128, 128, (count, width), dtype=torch.int8, generator=gen)
+    q = torch.randint(-128, 128, (out_features, width), dtype=torch.int8, generator=gen)
+    x_scales, w_scales = torch.rand(count, 1, generator=gen), torch.rand(out_features, generator=gen)
+    found = ops.int8_int8_matmul(qx, x_scales, q, w_scales, q.sum(dim=1, dtype=torch.int32))
+    assert torch.equal(found, torch.mul(exact_int_product(qx, q), x_scales) * w_scales)
+
+
+def test_int8_int8_matmul_holds_the_largest_sums(ops):
+    width = 8192  # every product at its extreme: the unsigned-offset lanes at their largest, no overflow
+    qx = torch.full((2, width), -128, dtype=torch.int8)
+    qx[1] = 127
+    q = torch.stack([torch.full((width,), -128, dtype=torch.int8), torch.full((width,), 127, dtype=torch.int8)])
+    found = ops.int8_int8_matmul(qx, torch.ones(2, 1), q, torch.ones(2), q.sum(dim=1, dtype=torch.int32))
+    assert torch.equal(found, exact_int_product(qx, q).float())
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (100, 7), (1536, 33)])
+@pytest.mark.parametrize("count", [1, 4, 6, 17])
+def test_native_w8a8_kernel_gives_the_bits_of_torch_int_mm(ops, in_features, out_features, count):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(3)) * 0.05
+    layer = lq.QuantLinear.from_weight(weight, torch.randn(out_features), lq.parse_scheme("w8a8"))
+    assert [k.name for k in candidates(layer)] == ["cpu_int_mm_w8a8", "cpu_native_w8a8"]
+    x = rows(count, in_features)
+    x[:, ::13] *= 5
+    found = {}
+    for kernel in ("cpu_native_w8a8", "cpu_int_mm_w8a8", "reference"):
+        with forced_kernel(layer, kernel), torch.no_grad():
+            found[kernel] = layer(x)
+    assert torch.equal(found["cpu_native_w8a8"], found["cpu_int_mm_w8a8"])
+    assert torch.equal(found["cpu_native_w8a8"], found["reference"])
+    with pytest.raises(RuntimeError, match="share in"):
+        ops.int8_int8_matmul(torch.zeros(1, in_features - 1, dtype=torch.int8), torch.ones(1, 1), layer.qweight,
+                             torch.ones(out_features), torch.zeros(out_features, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-asym", "w8a8-aasym", "w8a8-apt-aasym", "w8a16"])
+def test_native_w8a8_kernel_is_offered_only_for_symmetric_per_token_codes(ops, scheme):
+    layer = lq.QuantLinear.from_weight(torch.randn(8, 64), None, lq.parse_scheme(scheme))
+    assert "cpu_native_w8a8" not in [k.name for k in candidates(layer)]
+
+
 def test_lean_pytorch_runtime_steps_without_them(ops):
     from llmeasyquant.eval.speed import Greedy
 

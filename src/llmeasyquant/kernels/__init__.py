@@ -19,6 +19,7 @@ from llmeasyquant.kernels.cpu import (
     Int8WeightOnlyKernel,
     NativeInt4Int8Kernel,
     NativeInt4WeightOnlyKernel,
+    NativeInt8Int8Kernel,
     NativeInt8WeightOnlyKernel,
 )
 from llmeasyquant.kernels.layer import KernelLayer
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 REFERENCE = ReferenceKernel()
 KERNELS_BY_DEVICE: dict[str, list[Any]] = {
     # The fused-operator weight-only kernels first: fp32 results; they are offered only where kernels/native.py builds.
-    "cpu": [Int8DynamicActKernel(), NativeInt4Int8Kernel(), NativeInt8WeightOnlyKernel(), Int8WeightOnlyKernel(),
-            NativeInt4WeightOnlyKernel(), Int4WeightOnlyKernel()],
+    # torch._int_mm's W8A8 before the native one: `first` mode keeps the kernel that every row count runs fast.
+    "cpu": [Int8DynamicActKernel(), NativeInt8Int8Kernel(), NativeInt4Int8Kernel(), NativeInt8WeightOnlyKernel(),
+            Int8WeightOnlyKernel(), NativeInt4WeightOnlyKernel(), Int4WeightOnlyKernel()],
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }

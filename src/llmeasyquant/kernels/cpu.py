@@ -1,6 +1,7 @@
 """CPU integer kernels built on PyTorch's own int8/int4 operators and on the fused operators of kernels/native.py.
 
-- W8A8: dynamic per-token int8 activations x int8 weights with `torch._int_mm` (int32 accumulation).
+- W8A8: dynamic per-token int8 activations x int8 weights with `torch._int_mm` (int32 accumulation), or for
+  decode's few rows the native integer matmul over the stored codes.
 - W4A8: the same activations x group-wise int4 weights on the native integer matmul (int32 sums per group).
 - W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`, or fp32 ones on the native matmul.
 - W4A16: fp32 activations on the native int4 matmul; or (and 2/3-bit codes, unpacked from dense storage into
@@ -91,6 +92,36 @@ class Int8DynamicActKernel:
             acc = acc - x_zero.expand(x.shape[0], 1) * w_sum
         # int32 * fp32 promotes to fp32: float(acc) * s_x, then * s_w, without a separate conversion pass.
         return torch.mul(acc, x_scale) * prepared["scale"][None, :]
+
+
+class NativeInt8Int8Kernel(Int8DynamicActKernel):
+    """W8A8 for decode on the native integer matmul: the stored [out, in] codes streamed once, four channels a pass
+    and up to four rows sharing each load, VNNI's byte dot products (activations offset to unsigned, the offset taken
+    off with each channel's code sum); the same exact int32 sums and scaling as the kernel above, so the same bits.
+    oneDNN's GEMM behind `torch._int_mm` is built for many rows (at one row it ran decode slower than the W8A16
+    kernels: docs/RESULTS.md); the registry's timing picks between the two per row count. Symmetric weights and
+    dynamic symmetric per-token activations, the common W8A8 scheme."""
+
+    name = "cpu_native_w8a8"
+
+    def supports(self, layer) -> bool:
+        return super().supports(layer) and layer.zeros is None and native.ops() is not None and self._rows(layer)
+
+    @staticmethod
+    def _rows(layer) -> bool:
+        act = layer.scheme.act
+        return act.mode is ActMode.DYNAMIC and act.symmetric and isinstance(act.granularity, PerToken)
+
+    def prepare(self, layer) -> dict:
+        return {"scale": layer.scales[:, 0].float().contiguous(),
+                "w_sum": layer.qweight.sum(dim=1, dtype=torch.int32)}
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        ops = native.built()  # a layer that chose this kernel keeps it if the switch is turned off later
+        with scope(QUANTIZE_ACTIVATIONS):
+            qx, x_scale = ops.quantize_rows(x, MIN_SCALE, 127)
+        with scope(NATIVE_GEMM):
+            return ops.int8_int8_matmul(qx, x_scale, layer.qweight, prepared["scale"], prepared["w_sum"])
 
 
 class Int8WeightOnlyKernel:

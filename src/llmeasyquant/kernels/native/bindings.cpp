@@ -59,6 +59,10 @@ at::Tensor int4_levels_matmul(const at::Tensor& x_in, const at::Tensor& packed, 
 at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& tiled,
                             const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
                             int64_t out_features);
+// qx: [rows, in] int8, x_scales: [rows, 1] fp32, q: [out, in] int8, w_scales: [out] fp32, w_sums: [out] int32
+// -> y: [rows, out] fp32
+at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& q_in,
+                            const at::Tensor& w_scales_in, const at::Tensor& w_sums_in);
 
 // ==== paged KV pool (paged_ops.cpp) ====
 
@@ -101,6 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_built", &bf16_dot_built);
   m.def("int8_weight_matmul", &int8_weight_matmul);
   m.def("int4_int8_matmul", &int4_int8_matmul);
+  m.def("int8_int8_matmul", &int8_int8_matmul);
   m.def("rms_norm", &rms_norm);
   m.def("rope_store", &rope_store);
   m.def("decode_attention", &decode_attention);

@@ -1,7 +1,8 @@
 // Weight-only matmuls on the CPU: W8A16 (int8 weights) and W4A16 (int4 weights, and their dequantization for
 // GEMMs of many rows), with fp32 activations and sums where PyTorch's weight-only operators round them to bf16
 // (kernels/native.py builds this file with decoder_ops.cpp and bindings.cpp on first use; bindings.cpp registers
-// the operators by name). The W8A8 GEMM stays PyTorch's integer operator.
+// the operators by name), and the integer matmuls: W4A8 (int4 weights, int8 activations) and W8A8 for decode's
+// few rows (PyTorch's integer GEMM stays the one for many rows).
 
 #include "common.h"
 
@@ -727,6 +728,122 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
       w4a8_tile_scalar(w, t, rows, pq, stride, sums.data(), pxs, py, out_features);
       ++t;
 #endif
+    }
+  });
+  return y;
+}
+
+// ==== W8A8 for a few rows: int8 weights x int8 activations, reading the stored codes ====
+
+namespace {
+
+// Activation rows that share each load of weights (4 channels x 4 rows: 16 accumulators).
+constexpr int64_t kW8A8Rows = 4;
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+// VNNI multiplies unsigned by signed bytes, so the activations go in as u = qx + 128 (one XOR with 0x80) and
+// 128 * sum(q) is taken off each channel's sum afterwards: sum(u q) - 128 sum(q) = sum(qx q), exact in int32 (one
+// lane's four products are at most 4 * 255 * 128, and a row of `in` columns sums to at most 32640 * in: exact for
+// in < 65,793, as the int32 accumulation of torch._int_mm). Masked loads zero the weights past the last column,
+// so the tail adds nothing whatever the activations there.
+template <int R>
+void w8a8_block(const int8_t* w, const int8_t* next, int64_t width, const int8_t* qx, int64_t stride,
+                int32_t* sums) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc[R][kWeightRows];
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < kWeightRows; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < width; i += 64) {
+    const __mmask64 mask = width - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (width - i)) - 1;
+    prefetch_rows(next, width, i);
+    __m512i weights[kWeightRows];
+    for (int64_t j = 0; j < kWeightRows; ++j) weights[j] = _mm512_maskz_loadu_epi8(mask, w + j * width + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, qx + r * stride + i), flip);
+      for (int64_t j = 0; j < kWeightRows; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], u, weights[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < kWeightRows; ++j) sums[r * kWeightRows + j] = _mm512_reduce_add_epi32(acc[r][j]);
+}
+#endif
+
+// The same sums one value at a time (CPUs without VNNI; the registry's timing then prefers torch._int_mm), in the
+// form the vector path leaves them: sum(u q) with u = qx + 128, before the 128 * sum(q) correction.
+template <int R>
+void w8a8_block_scalar(const int8_t* w, int64_t width, const int8_t* qx, int64_t stride, int32_t* sums) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < kWeightRows; ++j) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < width; ++i) sum += (static_cast<int32_t>(qx[r * stride + i]) + 128) * w[j * width + i];
+      sums[r * kWeightRows + j] = sum;
+    }
+}
+
+template <int R>
+void w8a8_sums(const int8_t* w, const int8_t* next, int64_t width, const int8_t* qx, int64_t stride, int32_t* sums) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+  w8a8_block<R>(w, next, width, qx, stride, sums);
+#else
+  (void)next;
+  w8a8_block_scalar<R>(w, width, qx, stride, sums);
+#endif
+}
+
+}  // namespace
+
+// qx: [rows, in] int8, x_scales: [rows, 1] fp32, q: [out, in] int8, w_scales: [out] fp32, w_sums: [out] int32
+// (each channel's sum of codes) -> y: [rows, out] fp32
+// y[r, o] = float(sum_i qx[r, i] q[o, i]) * x_scales[r] * w_scales[o]: the exact int32 product of torch._int_mm
+// scaled in dequantize_rows' order, so the same bits as the W8A8 kernel built on them. For decode's few rows: it
+// streams the stored [out, in] codes once (4 channels per pass, up to 4 rows sharing each load), where oneDNN's
+// GEMM is built for many rows.
+at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& q_in,
+                            const at::Tensor& w_scales_in, const at::Tensor& w_sums_in) {
+  const at::Tensor qx = input(qx_in, at::kChar, "qx");
+  const at::Tensor x_scales = input(x_scales_in, at::kFloat, "x_scales");
+  const at::Tensor q = input(q_in, at::kChar, "q");
+  const at::Tensor w_scales = input(w_scales_in, at::kFloat, "w_scales");
+  const at::Tensor w_sums = input(w_sums_in, at::kInt, "w_sums");
+  TORCH_CHECK(qx.dim() == 2 && q.dim() == 2 && qx.size(1) == q.size(1), "qx [rows, in] and q [out, in] must share in");
+  TORCH_CHECK(x_scales.numel() == qx.size(0), "x_scales must have one value per row");
+  TORCH_CHECK(w_scales.numel() == q.size(0) && w_sums.numel() == q.size(0),
+              "w_scales and w_sums must have one value per output channel");
+  const int64_t rows = qx.size(0), width = qx.size(1), out = q.size(0);
+  at::Tensor y = at::empty({rows, out}, x_scales.options());
+  const int8_t* px = qx.data_ptr<int8_t>();
+  const int8_t* pq = q.data_ptr<int8_t>();
+  const float* pxs = x_scales.data_ptr<float>();
+  const float* pws = w_scales.data_ptr<float>();
+  const int32_t* psum = w_sums.data_ptr<int32_t>();
+  float* py = y.data_ptr<float>();
+  const int64_t blocks = (out + kWeightRows - 1) / kWeightRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    int32_t sums[kW8A8Rows * kWeightRows];
+    std::vector<int8_t> last;  // a last block of fewer channels, zero-padded to kWeightRows
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * kWeightRows, count = std::min(kWeightRows, out - first);
+      const int8_t* w = pq + first * width;
+      if (count < kWeightRows) {
+        last.assign(kWeightRows * width, 0);
+        std::copy_n(w, count * width, last.data());
+        w = last.data();
+      }
+      const int8_t* next = b + 1 < end && first + 2 * kWeightRows <= out ? w + kWeightRows * width : nullptr;
+      for (int64_t r = 0; r < rows;) {
+        const int64_t shared = rows - r >= kW8A8Rows ? kW8A8Rows : 1;
+        if (shared == kW8A8Rows) {
+          w8a8_sums<kW8A8Rows>(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
+        } else {
+          w8a8_sums<1>(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
+        }
+        for (int64_t k = 0; k < shared; ++k)
+          for (int64_t j = 0; j < count; ++j) {
+            const int32_t exact = sums[k * kWeightRows + j] - 128 * psum[first + j];
+            py[(r + k) * out + first + j] = static_cast<float>(exact) * pxs[r + k] * pws[first + j];
+          }
+        r += shared;
+      }
     }
   });
   return y;
