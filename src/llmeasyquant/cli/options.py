@@ -75,8 +75,9 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-std-floor", action="store_true",
                    help="online mode: raise each observation's range to at least its standard deviation")
     p.add_argument("--lm-head", metavar="SCHEME",
-                   help="also quantize the LM head with this weight-only scheme, e.g. w8a16 (default: kept in float; "
-                   "a tied head gets its own integer copy). It is the largest matrix read per decoded token")
+                   help="also quantize the LM head with this scheme: weight-only (e.g. w8a16) or with dynamic "
+                   "activations (e.g. w8a8, w4a8-g128: integer kernels); default: kept in float; a tied head gets its "
+                   "own integer copy. It is the largest matrix read per decoded token")
     p.add_argument("--plan", type=Path, help="a plan JSON (per-layer schemes) instead of --bits/--group-size/--asym")
     p.add_argument("--keep-fp32", action="store_true",
                    help="store unquantized tensors (embeddings, norms, biases) in fp32 instead of fp16")

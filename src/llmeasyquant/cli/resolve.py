@@ -27,9 +27,10 @@ def build_scheme_or_plan(args: argparse.Namespace, recipe: list):
     if args.lm_head is None:
         return body
     head = parse_scheme(args.lm_head)
-    if head.act is not None:
-        raise LLMEasyQuantError(f"--lm-head {args.lm_head}: the LM head takes a weight-only scheme (e.g. w8a16), "
-                                "its input is not calibrated")
+    if head.static_act:  # dynamic (and online) activations need no calibration; a static scale would
+        raise LLMEasyQuantError(f"--lm-head {args.lm_head}: the LM head's input is never calibrated, so it cannot "
+                                "take a static activation scale; give it a weight-only scheme (e.g. w8a16) or "
+                                "dynamic activations (e.g. w8a8, w4a8-g128)")
     rules = body.rules if isinstance(body, Plan) else Plan.uniform(body).rules
     return Plan((Rule("lm_head", head), *rules))
 
