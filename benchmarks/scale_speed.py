@@ -10,8 +10,8 @@ on the same weights exported to GGUF, in one run.
    Q4_1, the head in the same scheme), `llmeasyquant quantize DIR --method rtn ... --stream`, then
    `llmeasyquant export --to gguf --no-check`; each g32 checkpoint is deleted once exported.
 2. Per scheme of ours, in turn (one checkpoint on disk and in memory at a time): quantize it
-   (`llmeasyquant quantize DIR --method rtn ... --lm-head HEAD --stream`: W8A16 with head w8a16, W8A8 with head
-   w8a16 (the head is weight-only), W4A16 g128 and W4A8 g128 with head w4a16-g128), load it
+   (`llmeasyquant quantize DIR --method rtn ... --lm-head HEAD --stream`: each with the head in its own scheme,
+   W8A16, W8A8, W4A16 g128 or W4A8 g128), load it
    (export/checkpoint.load, as `bench` does), fuse q/k/v and gate/up (as `bench` does), then `--repeats` rounds,
    each: the machine's read bandwidth (eval/bench.py), our greedy decode on the lean loop (a `--prompt-tokens`
    prompt of seeded random ids, then `--new-tokens` tokens; tokens/s over the steps after the first), then one
@@ -56,14 +56,16 @@ from llmeasyquant.eval.speed import timed_greedy
 from llmeasyquant.infra.memory import release_freed_memory
 from llmeasyquant.record import Record, read_records, write_records
 
-# name: (quantize flags, LM head scheme); the head is weight-only, so W8A8's head is W8A16.
+# name: (quantize flags, LM head scheme); the head takes the body's scheme, with dynamic int8 activations where the
+# body has them, as llama.cpp's Q8_0 and Q4_0 files run their output tensor (records before 2026-11-27 13:00 UTC
+# ran W8A8's head W8A16 and W4A8's W4A16 g128: each record's protocol names its head).
 OURS = {
     "w8a16": (["--bits", "8"], "w8a16"),
-    "w8a8": (["--bits", "8", "--act-bits", "8"], "w8a16"),
+    "w8a8": (["--bits", "8", "--act-bits", "8"], "w8a8"),
     "w4a16-g128": (["--bits", "4", "--group-size", "128"], "w4a16-g128"),
     # int8 activations and integer dot products, as llama.cpp's Q4_0 x Q8_0 dot product does (its activations in
     # blocks of 32, ours per token)
-    "w4a8-g128": (["--bits", "4", "--group-size", "128", "--act-bits", "8"], "w4a16-g128"),
+    "w4a8-g128": (["--bits", "4", "--group-size", "128", "--act-bits", "8"], "w4a8-g128"),
 }
 # GGUF type: (flags of the RTN g32 checkpoint whose codes it holds exactly, head scheme, our schemes it runs beside)
 PEERS = {
