@@ -60,6 +60,28 @@ void int8_dot_rows(const int8_t* w, const int8_t* next, int64_t stride, const fl
     for (int64_t j = 0; j < kWeightRows; ++j) sums[j] += static_cast<float>(w[j * stride + i]) * x[i];
 }
 
+// Calls body(first, count, w, next) for each block of kWeightRows output channels of int8 weights q [out, width],
+// blocks split over the threads: w the block's rows (a last block of fewer rows copied and zero-padded to
+// kWeightRows), next the following block's rows where this thread goes on to them (to prefetch; a short last block is
+// never read past), else null.
+template <typename Body>
+void for_int8_weight_blocks(const int8_t* q, int64_t out, int64_t width, const Body& body) {
+  const int64_t blocks = (out + kWeightRows - 1) / kWeightRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> last;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * kWeightRows, count = std::min(kWeightRows, out - first);
+      const int8_t* w = q + first * width;
+      if (count < kWeightRows) {
+        last.assign(kWeightRows * width, 0);
+        std::copy_n(w, count * width, last.data());
+        w = last.data();
+      }
+      body(first, count, w, b + 1 < end && first + 2 * kWeightRows <= out ? w + kWeightRows * width : nullptr);
+    }
+  });
+}
+
 // ==== int4 groups and nibbles ====
 
 // The weights of one group of int4 codes, dequantized as the reference does: (float(u - 8) - zero) * scale, one
@@ -131,24 +153,11 @@ at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, co
   const int8_t* pq = q.data_ptr<int8_t>();
   const float* ps = scales.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  const int64_t blocks = (out + kWeightRows - 1) / kWeightRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+  for_int8_weight_blocks(pq, out, width, [&](int64_t first, int64_t count, const int8_t* w, const int8_t* next) {
     float sums[kWeightRows];
-    std::vector<int8_t> last;  // a last block of fewer rows, zero-padded to kWeightRows
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t first = b * kWeightRows, count = std::min(kWeightRows, out - first);
-      const int8_t* w = pq + first * width;
-      if (count < kWeightRows) {
-        last.assign(kWeightRows * width, 0);
-        std::copy_n(w, count * width, last.data());
-        w = last.data();
-      }
-      // The next block's rows, where this thread goes on to them; a short last block is never read past.
-      const int8_t* next = b + 1 < end && first + 2 * kWeightRows <= out ? w + kWeightRows * width : nullptr;
-      for (int64_t r = 0; r < rows; ++r) {
-        int8_dot_rows(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
-        for (int64_t j = 0; j < count; ++j) py[r * out + first + j] = sums[j] * ps[first + j];
-      }
+    for (int64_t r = 0; r < rows; ++r) {
+      int8_dot_rows(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
+      for (int64_t j = 0; j < count; ++j) py[r * out + first + j] = sums[j] * ps[first + j];
     }
   });
   return y;
@@ -829,33 +838,21 @@ at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
   const float* pws = w_scales.data_ptr<float>();
   const int32_t* psum = w_sums.data_ptr<int32_t>();
   float* py = y.data_ptr<float>();
-  const int64_t blocks = (out + kWeightRows - 1) / kWeightRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+  for_int8_weight_blocks(pq, out, width, [&](int64_t first, int64_t count, const int8_t* w, const int8_t* next) {
     int32_t sums[kW8A8Rows * kWeightRows];
-    std::vector<int8_t> last;  // a last block of fewer channels, zero-padded to kWeightRows
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t first = b * kWeightRows, count = std::min(kWeightRows, out - first);
-      const int8_t* w = pq + first * width;
-      if (count < kWeightRows) {
-        last.assign(kWeightRows * width, 0);
-        std::copy_n(w, count * width, last.data());
-        w = last.data();
+    for (int64_t r = 0; r < rows;) {
+      const int64_t shared = rows - r >= kW8A8Rows ? kW8A8Rows : 1;
+      if (shared == kW8A8Rows) {
+        w8a8_sums<kW8A8Rows>(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
+      } else {
+        w8a8_sums<1>(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
       }
-      const int8_t* next = b + 1 < end && first + 2 * kWeightRows <= out ? w + kWeightRows * width : nullptr;
-      for (int64_t r = 0; r < rows;) {
-        const int64_t shared = rows - r >= kW8A8Rows ? kW8A8Rows : 1;
-        if (shared == kW8A8Rows) {
-          w8a8_sums<kW8A8Rows>(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
-        } else {
-          w8a8_sums<1>(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
+      for (int64_t k = 0; k < shared; ++k)
+        for (int64_t j = 0; j < count; ++j) {
+          const int32_t exact = sums[k * kWeightRows + j] - 128 * psum[first + j];
+          py[(r + k) * out + first + j] = static_cast<float>(exact) * pxs[r + k] * pws[first + j];
         }
-        for (int64_t k = 0; k < shared; ++k)
-          for (int64_t j = 0; j < count; ++j) {
-            const int32_t exact = sums[k * kWeightRows + j] - 128 * psum[first + j];
-            py[(r + k) * out + first + j] = static_cast<float>(exact) * pxs[r + k] * pws[first + j];
-          }
-        r += shared;
-      }
+      r += shared;
     }
   });
   return y;
