@@ -7,10 +7,46 @@ import torch
 
 import llmeasyquant as lq
 from llmeasyquant.cli import main
-from llmeasyquant.eval.bench import BenchConfig, bench, model_bytes, thread_counts, weight_bytes_per_token
+from llmeasyquant.eval import bench as bench_module
+from llmeasyquant.eval.bench import (
+    BenchConfig,
+    bench,
+    memory_bandwidth_gbs,
+    model_bytes,
+    thread_counts,
+    weight_bytes_per_token,
+)
+from llmeasyquant.kernels import native
 from llmeasyquant.record import read_records
 
 SMALL = BenchConfig(prompt_tokens=12, new_tokens=3, prefill_tokens=24, repeats=2, threads=(1,))
+
+
+@pytest.mark.parametrize("size", [64, 64 * 4096 + 64 * 7 + 5, 2**21])  # lines split over threads and streams
+def test_streaming_read_xors_every_whole_line(size):
+    ops = native.ops()
+    if ops is None:
+        pytest.skip("the fused operators do not build here")
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    words = data[: size // 64 * 64].view(torch.int64)
+    expected = 0
+    for word in words.tolist():  # the partial last line is not read
+        expected ^= word
+    assert ops.stream_xor(data) == expected
+
+
+def test_bandwidth_is_the_faster_of_its_reads(monkeypatch):
+    class SlowStream:  # a streaming read that takes 50 ms: the sum, far faster, must set the figure
+        def stream_xor(self, buffer):
+            import time
+
+            time.sleep(0.05)
+            return 0
+
+    monkeypatch.setattr(bench_module.native, "ops", lambda: SlowStream())
+    assert memory_bandwidth_gbs(megabytes=8, repeats=2) > 8 * 2**20 / 0.05 / 1e9
+    monkeypatch.setattr(bench_module.native, "ops", lambda: None)  # no operators: the sum alone
+    assert memory_bandwidth_gbs(megabytes=8, repeats=2) > 0
 
 
 def test_weight_bytes_count_what_a_decode_step_reads(tiny_llama):

@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from llmeasyquant.eval.speed import RUNTIMES, generation_speed, prefill_speed, profile_decode, resolve_runtime
+from llmeasyquant.kernels import native
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +49,21 @@ class BenchConfig:
 
 
 def memory_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s: bytes per second of summing a buffer far larger than the caches (best of `repeats`),
-    with torch's current threads. A decode step streams its weights the same way: read once, nothing written."""
+    """Read bandwidth in GB/s with torch's current threads: the best of `repeats` reads of a buffer far larger than
+    the caches, each read two ways where the fused operators build: summing it, and the operators' streaming read
+    (a few sequential streams a thread, each prefetched ahead, as the decode kernels read their weights). A decode
+    step streams its weights the same way: read once, nothing written. The second exists because on some CPUs a
+    sum reads slower than the kernels do (on the 2-core Xeon of docs/RESULTS.md 21 GB/s against 29), and a bound
+    below what is reached bounds nothing."""
     buffer = torch.ones(megabytes * 2**20 // 4)
+    ops = native.ops()
+    reads = [buffer.sum] + ([lambda: ops.stream_xor(buffer.view(torch.uint8))] if ops is not None else [])
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
+        for read in reads:
+            start = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - start)
     return buffer.numel() * 4 / best / 1e9
 
 

@@ -64,6 +64,11 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
 at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& q_in,
                             const at::Tensor& w_scales_in, const at::Tensor& w_sums_in);
 
+// ==== the read-bandwidth probe (memory_probe.cpp) ====
+
+// buffer: uint8 [n] -> the XOR of its 64-bit words over whole cache lines
+int64_t stream_xor(const at::Tensor& buffer);
+
 // ==== paged KV pool (paged_ops.cpp) ====
 
 // qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, key_pool, value_pool: [N, kv_heads, B,
@@ -106,6 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_weight_matmul", &int8_weight_matmul);
   m.def("int4_int8_matmul", &int4_int8_matmul);
   m.def("int8_int8_matmul", &int8_int8_matmul);
+  m.def("stream_xor", &stream_xor);
   m.def("rms_norm", &rms_norm);
   m.def("rope_store", &rope_store);
   m.def("decode_attention", &decode_attention);
