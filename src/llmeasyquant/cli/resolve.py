@@ -27,7 +27,7 @@ def build_scheme_or_plan(args: argparse.Namespace, recipe: list):
     if args.lm_head is None:
         return body
     head = parse_scheme(args.lm_head)
-    if head.static_act:  # dynamic (and online) activations need no calibration; a static scale would
+    if head.static_act:  # dynamic and online activations need no calibration; nothing calibrates the head
         raise LLMEasyQuantError(f"--lm-head {args.lm_head}: the LM head's input is never calibrated, so it cannot "
                                 "take a static activation scale; give it a weight-only scheme (e.g. w8a16) or "
                                 "dynamic activations (e.g. w8a8, w4a8-g128)")

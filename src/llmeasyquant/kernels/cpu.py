@@ -43,6 +43,12 @@ def _per_row_weights(layer) -> bool:
     return isinstance(layer.scheme.granularity, PerChannel | PerTensor) or layer.group_size == layer.in_features
 
 
+def _dynamic_symmetric_rows(layer) -> bool:
+    """Activations quantized per token at run time, symmetric: what the fused quantize_rows computes."""
+    act = layer.scheme.act
+    return act.mode is ActMode.DYNAMIC and act.symmetric and isinstance(act.granularity, PerToken)
+
+
 class Int8DynamicActKernel:
     """W8A8: y = s_x s_w Σ_k (q_x - z_x)(q_w - z_w), expanded so that one int32 GEMM does the work:
     q_x·q_w - z_w Σq_x - z_x Σq_w + K z_x z_w (the zero-point terms only when asymmetric)."""
@@ -61,8 +67,7 @@ class Int8DynamicActKernel:
         prepared = {"wt": wt, "scale": layer.scales[:, 0].float(), "w_sum": wt.sum(dim=0, dtype=torch.int32)}
         if layer.zeros is not None:
             prepared["zero"] = layer.zeros[:, 0].to(torch.int32)
-        act = layer.scheme.act
-        prepared["rows"] = act.mode is ActMode.DYNAMIC and act.symmetric and isinstance(act.granularity, PerToken)
+        prepared["rows"] = _dynamic_symmetric_rows(layer)
         return prepared
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
@@ -105,12 +110,8 @@ class NativeInt8Int8Kernel(Int8DynamicActKernel):
     name = "cpu_native_w8a8"
 
     def supports(self, layer) -> bool:
-        return super().supports(layer) and layer.zeros is None and native.ops() is not None and self._rows(layer)
-
-    @staticmethod
-    def _rows(layer) -> bool:
-        act = layer.scheme.act
-        return act.mode is ActMode.DYNAMIC and act.symmetric and isinstance(act.granularity, PerToken)
+        return (super().supports(layer) and layer.zeros is None and _dynamic_symmetric_rows(layer)
+                and native.ops() is not None)
 
     def prepare(self, layer) -> dict:
         return {"scale": layer.scales[:, 0].float().contiguous(),
