@@ -222,7 +222,7 @@ def test_int8_int8_matmul_holds_the_largest_sums(ops):
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (100, 7), (1536, 33)])
-@pytest.mark.parametrize("count", [1, 4, 6, 17])
+@pytest.mark.parametrize("count", [1, 4, 6, 16, 17])
 def test_native_w8a8_kernel_gives_the_bits_of_torch_int_mm(ops, in_features, out_features, count):
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(3)) * 0.05
     layer = lq.QuantLinear.from_weight(weight, torch.randn(out_features), lq.parse_scheme("w8a8"))
