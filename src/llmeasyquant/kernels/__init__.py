@@ -17,6 +17,7 @@ from llmeasyquant.kernels.cpu import (
     Int4WeightOnlyKernel,
     Int8DynamicActKernel,
     Int8WeightOnlyKernel,
+    NativeInt4DigitsKernel,
     NativeInt4Int8Kernel,
     NativeInt4WeightOnlyKernel,
     NativeInt8Int8Kernel,
@@ -31,9 +32,10 @@ log = logging.getLogger(__name__)
 REFERENCE = ReferenceKernel()
 KERNELS_BY_DEVICE: dict[str, list[Any]] = {
     # The fused-operator weight-only kernels first: fp32 results; they are offered only where kernels/native.py builds.
-    # torch._int_mm's W8A8 before the native one: `first` mode keeps the kernel that every row count runs fast.
+    # torch._int_mm's W8A8 before the native one: `first` mode keeps the kernel that every row count runs fast; the
+    # W4A16 fixed-point kernel after the fp32-activation one, so that `first` mode keeps 16 bits of every value.
     "cpu": [Int8DynamicActKernel(), NativeInt8Int8Kernel(), NativeInt4Int8Kernel(), NativeInt8WeightOnlyKernel(),
-            Int8WeightOnlyKernel(), NativeInt4WeightOnlyKernel(), Int4WeightOnlyKernel()],
+            Int8WeightOnlyKernel(), NativeInt4WeightOnlyKernel(), NativeInt4DigitsKernel(), Int4WeightOnlyKernel()],
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }

@@ -4,7 +4,8 @@
   decode's few rows the native integer matmul over the stored codes.
 - W4A8: the same activations x group-wise int4 weights on the native integer matmul (int32 sums per group).
 - W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`, or fp32 ones on the native matmul.
-- W4A16: fp32 activations on the native int4 matmul; or (and 2/3-bit codes, unpacked from dense storage into
+- W4A16: fp32 activations on the native int4 matmul, or for decode 16-bit fixed-point ones on its integer dot
+  products; or (and 2/3-bit codes, unpacked from dense storage into
   nibbles when prepared) `aten._weight_int4pack_mm_for_cpu` with bf16 activations.
   That operator needs the input width divisible by the group size; a partial last group is handled by
   zero-padding the input.
@@ -227,6 +228,31 @@ class NativeInt4WeightOnlyKernel:
             weight = ops.dequantize_int4_levels(prepared["qweight"], prepared["scales"], prepared["levels"],
                                                 layer.in_features, layer.group_size)
         return x @ weight.t()
+
+
+class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
+    """W4A16 decode on integer dot products (native `int4_digits_matmul`): each 32 activations of a row become
+    16-bit fixed point, q s with s = max|x| / 32639 over the 32, written as two int8 digits (q = 256 h + l), and the
+    stored nibbles multiply them with VNNI's unsigned-by-signed byte dot product: exact int32 sums per 8 columns,
+    scaled in fp32. An activation moves by at most max|x| / 65278 of its 32 columns (PyTorch's int4 operator rounds
+    to bf16's 8 significant bits; the parent's bf16 path keeps 16 of each value). Twice or more the parent's speed
+    at decode, where the decode of each weight in shuffles made it compute-bound (docs/RESULTS.md, "Speed at real
+    sizes"). Uniform 4-bit codes with groups of multiples of 8 columns (or one a row); above DIRECT_ROWS rows it is
+    its parent: the dequantized fp32 weight and GEMM."""
+
+    name = "cpu_native_w4a16_i16"
+
+    def supports(self, layer) -> bool:
+        group_ok = layer.group_size % 8 == 0 or layer.group_size >= layer.in_features
+        return (layer.scheme.bits == 4 and layer.scheme.grid is None and layer.scheme.act is None and group_ok
+                and native.ops() is not None)
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        if x.shape[0] > self.DIRECT_ROWS:
+            return super().run(layer, x, prepared)
+        with scope(NATIVE_GEMM):
+            return native.built().int4_digits_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"],
+                                                     layer.group_size)
 
 
 def _grid_levels(layer) -> torch.Tensor | None:

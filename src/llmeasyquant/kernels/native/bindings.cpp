@@ -47,6 +47,9 @@ at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, c
 at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& zeros, int64_t group_size, bool bf16_dot);
 bool bf16_dot_built();
+// x: [rows, in] fp32, packed, scales, zeros as dequantize_int4 -> [rows, out] fp32 (x as 16-bit fixed point)
+at::Tensor int4_digits_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, int64_t group_size);
 // packed, scales as dequantize_int4, levels: [16] or [out, 16] fp32 (a non-uniform grid) -> [out, in] fp32
 at::Tensor dequantize_int4_levels(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& levels_in,
                                   int64_t in_features, int64_t group_size);
@@ -108,6 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4", &dequantize_int4);
   m.def("int4_weight_matmul", &int4_weight_matmul);
   m.def("bf16_dot_built", &bf16_dot_built);
+  m.def("int4_digits_matmul", &int4_digits_matmul);
   m.def("int8_weight_matmul", &int8_weight_matmul);
   m.def("int4_int8_matmul", &int4_int8_matmul);
   m.def("int8_int8_matmul", &int8_int8_matmul);

@@ -6,7 +6,9 @@
 
 #include "common.h"
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -750,6 +752,275 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
       ++t;
 #endif
     }
+  });
+  return y;
+}
+
+// ==== W4A16 on integer dot products: the activations as 16-bit fixed point in two int8 digits ====
+
+namespace {
+
+// The bf16 path above decodes every weight with shuffles and unpacks and stays compute-bound (some 7 GB/s of codes a
+// core on the Xeon of docs/RESULTS.md, half of what the memory delivers). Here the codes stay integers u (the stored
+// nibbles, u = code + 8) and the activations become integers: each 32 columns of a row as q s with
+// s = max|x| / 32639 over the 32 and |q| <= 32639, an exact 16-bit integer written as 256 h + l, h and l int8
+// (h = (q + 128) >> 8). Then, exact in int32 for each 8 columns,
+//   sum_i u_i q_i - 8 sum_i q_i = 256 sum_i u_i h_i + sum_i u_i l_i - 8 sum_i q_i
+// where VNNI's vpdpbusd (unsigned bytes times signed bytes) makes 64 products a step, so a weight costs two of its
+// lanes' products and no decode but a mask and a shift. Times s (the 8 columns' activation scale) and the weight
+// group's scale in fp32; zero points come off at the end (zero * scale * the group's sum of q s). The activations
+// then differ from x by at most s / 2 = max|x| / 65278 over each 32 columns: 16 bits against the 8 significant bits
+// of bf16 that PyTorch's int4 operator rounds them to.
+constexpr int64_t kDigitBlock = 128;  // columns a 64-byte load of one channel's codes holds
+constexpr int64_t kDigitChunk = 32;   // columns that share one activation scale
+constexpr float kDigitMax = 32639.0f;  // 127 * 256 + 127: both digits stay in int8
+
+// Per row and block of 128 columns, in the order of the codes (byte j of a block holds columns 2j and 2j + 1): the
+// digits [h of the even columns, h of the odd, l of the even, l of the odd], 64 bytes each, column 2j + k at byte j;
+// per 32-bit lane (8 columns: bytes 4m..4m+3) -8 * sum q and the scale s. Columns past the row are zero. Per block,
+// which weight group each lane's columns belong to, relative to the block's first group (`first_group`), and how
+// many groups from there the block touches (`touched`, at most 16: groups are multiples of 8 columns).
+struct DigitActivations {
+  int64_t blocks, groups;
+  std::vector<int8_t> digits;        // [rows, blocks, 4, 64]
+  std::vector<int32_t> minus_eight;  // [rows, blocks, 16]
+  std::vector<float> lane_scales;    // [rows, blocks, 16]
+  std::vector<float> group_sums;     // [rows, groups]: sum of q s over the group's columns (zero points only)
+  std::vector<int32_t> lane_group;   // [blocks, 16]
+  std::vector<int64_t> first_group, touched;  // [blocks]
+  std::vector<uint8_t> one_group;  // [blocks]: whether every lane is in the first group (groups of 128 or more)
+
+  DigitActivations(const float* x, int64_t rows, int64_t width, int64_t group_size, int64_t groups_in, bool zeros)
+      : blocks((width + kDigitBlock - 1) / kDigitBlock), groups(groups_in) {
+    digits.assign(rows * blocks * 256, 0);
+    minus_eight.assign(rows * blocks * 16, 0);
+    lane_scales.assign(rows * blocks * 16, 0.0f);
+    if (zeros) group_sums.assign(rows * groups, 0.0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t g0 = std::min(groups - 1, b * kDigitBlock / group_size);
+      first_group.push_back(g0);
+      touched.push_back(std::min<int64_t>(16, groups - g0));
+      for (int64_t m = 0; m < 16; ++m)
+        lane_group.push_back(static_cast<int32_t>(std::min(groups - 1, (b * kDigitBlock + 8 * m) / group_size) - g0));
+      one_group.push_back(lane_group.back() == 0);
+    }
+    for_rows(rows, width, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        for (int64_t c = 0; c < blocks * kDigitBlock; c += kDigitChunk) chunk(x + r * width, width, r, c, group_size);
+#if defined(CPU_CAPABILITY_AVX512)
+        for (int64_t b = 0; b < blocks; ++b) lane_sums(r * blocks + b);
+#endif
+      }
+    });
+  }
+
+#if defined(CPU_CAPABILITY_AVX512)
+  // -8 times each lane's sum of q = 256 h + l over its 8 columns, from the block's digits (dot products with ones).
+  void lane_sums(int64_t base) {
+    const int8_t* d = digits.data() + base * 256;
+    const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+    const __m512i high = dot4(dot4(zero, ones, _mm512_loadu_si512(d)), ones, _mm512_loadu_si512(d + 64));
+    const __m512i low = dot4(dot4(zero, ones, _mm512_loadu_si512(d + 128)), ones, _mm512_loadu_si512(d + 192));
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+    _mm512_storeu_si512(minus_eight.data() + base * 16, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-8)));
+  }
+#endif
+
+  // The 32 columns from `column` of row r (those past `width` zero).
+  void chunk(const float* x, int64_t width, int64_t r, int64_t column, int64_t group_size) {
+    const int64_t count = std::clamp<int64_t>(width - column, 0, kDigitChunk);
+    alignas(64) int32_t q[kDigitChunk] = {};
+    const float scale = count > 0 ? chunk_codes(x + column, count, q) : 0.0f;
+    const int64_t j0 = (column % kDigitBlock) / 2, base = r * blocks + column / kDigitBlock;
+    int8_t* d = digits.data() + base * 256 + j0;
+#if defined(CPU_CAPABILITY_AVX512)
+    // Codes 0..31 to even and odd columns, 16 each, then to their digits as bytes (lane_sums then sums them).
+    const __m512i first = _mm512_load_si512(q), second = _mm512_load_si512(q + 16);
+    const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd_index = _mm512_add_epi32(even_index, _mm512_set1_epi32(1));
+    const __m512i parts[2] = {_mm512_permutex2var_epi32(first, even_index, second),
+                              _mm512_permutex2var_epi32(first, odd_index, second)};
+    for (int64_t part = 0; part < 2; ++part) {
+      const __m512i high = _mm512_srai_epi32(_mm512_add_epi32(parts[part], _mm512_set1_epi32(128)), 8);
+      const __m512i low = _mm512_sub_epi32(parts[part], _mm512_slli_epi32(high, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + part * 64), _mm512_cvtepi32_epi8(high));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 128 + part * 64), _mm512_cvtepi32_epi8(low));
+    }
+#else
+    for (int64_t k = 0; k < kDigitChunk; ++k) {
+      const int32_t h = (q[k] + 128) >> 8, l = q[k] - 256 * h;
+      d[(k % 2) * 64 + k / 2] = static_cast<int8_t>(h);
+      d[128 + (k % 2) * 64 + k / 2] = static_cast<int8_t>(l);
+    }
+    for (int64_t m = 0; m < kDigitChunk / 8; ++m) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < 8; ++k) sum += q[8 * m + k];
+      minus_eight[base * 16 + j0 / 4 + m] = -8 * sum;
+    }
+#endif
+    std::fill_n(lane_scales.data() + base * 16 + j0 / 4, kDigitChunk / 8, scale);
+    if (!group_sums.empty())
+      for (int64_t k = 0; k < count; ++k)
+        group_sums[r * groups + std::min(groups - 1, (column + k) / group_size)] += static_cast<float>(q[k]) * scale;
+  }
+
+  // q[0..count) = round(x / s) with s = max|x| / kDigitMax; returns s. A non-finite value makes s NaN, so that the
+  // row's sums are NaN as the reference's would be, rather than numbers made of undefined codes; an all-zero chunk
+  // (or one so small that s underflows) keeps codes 0.
+  static float chunk_codes(const float* x, int64_t count, int32_t* q) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __mmask16 first_mask = count >= 16 ? 0xFFFF : (1u << count) - 1;
+    const __mmask16 second_mask = count >= 32 ? 0xFFFF : count > 16 ? (1u << (count - 16)) - 1 : 0;
+    const __m512 first = _mm512_maskz_loadu_ps(first_mask, x), second = _mm512_maskz_loadu_ps(second_mask, x + 16);
+    // 0x99: NaN (quiet or signalling) or an infinity
+    if (_mm512_fpclass_ps_mask(first, 0x99) | _mm512_fpclass_ps_mask(second, 0x99))
+      return std::numeric_limits<float>::quiet_NaN();
+    const float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(second))) / kDigitMax;
+    if (scale == 0.0f) return 0.0f;
+    // Division and round-to-nearest-even conversion, as std::nearbyint(x / scale) below; |x / scale| <= kDigitMax
+    // up to one rounding, so the clamp only guards.
+    const __m512 divisor = _mm512_set1_ps(scale);
+    const __m512i most = _mm512_set1_epi32(static_cast<int32_t>(kDigitMax)), least = _mm512_set1_epi32(-static_cast<int32_t>(kDigitMax));
+    _mm512_store_si512(q, _mm512_max_epi32(least, _mm512_min_epi32(most, _mm512_cvtps_epi32(_mm512_div_ps(first, divisor)))));
+    _mm512_store_si512(q + 16, _mm512_max_epi32(least, _mm512_min_epi32(most, _mm512_cvtps_epi32(_mm512_div_ps(second, divisor)))));
+    return scale;
+#else
+    float largest = 0.0f;
+    bool finite = true;
+    for (int64_t k = 0; k < count; ++k) {
+      const float magnitude = std::fabs(x[k]);
+      finite = finite && magnitude <= std::numeric_limits<float>::max();  // false for inf and NaN
+      largest = std::max(largest, magnitude);
+    }
+    if (!finite) return std::numeric_limits<float>::quiet_NaN();
+    const float scale = largest / kDigitMax;
+    if (scale == 0.0f) return 0.0f;
+    for (int64_t k = 0; k < count; ++k)
+      q[k] = static_cast<int32_t>(std::clamp(std::nearbyint(x[k] / scale), -kDigitMax, kDigitMax));
+    return scale;
+#endif
+  }
+};
+
+// Output channels that share each load of digits: 8 streams of codes in flight, 8 fp32 totals carried; eight
+// against four: the same streaming rate, 14 -> 18 GB/s a thread on codes held in L2.
+constexpr int64_t kDigitChannels = 8;
+// Prefetched, at each block: the same block of the channels two tiles on, and each stream's own 8 blocks (512
+// bytes) on. Streaming 8 of the 8B down projections from memory, one row, 2 threads (scratch timing): 22-24 GB/s
+// with the first alone, 18 with an in-stream prefetch alone (16 blocks on), 23-24.5 with both; 24 of the 8B q
+// projections, 4096 wide: 16-17, 12 and 18 GB/s.
+constexpr int64_t kDigitTilesAhead = 2, kDigitBlocksAhead = 8;
+
+#if defined(CPU_CAPABILITY_AVX512)
+// sums[c] = x̂[row] . (weights of output channel o + c) for C channels, x̂ the digits' activations.
+template <int64_t C>
+void int4_digit_channels(const Int4Weights& w, int64_t o, const DigitActivations& x, int64_t row, float* sums) {
+  const uint8_t* p = w.packed + o * w.row_bytes;
+  // Decode reads every weight once, from memory: the bytes of later channels are asked for ahead of their use.
+  const int64_t skip = kDigitTilesAhead * kDigitChannels;
+  const uint8_t* ahead = o + C + skip <= w.out ? p + skip * w.row_bytes : nullptr;
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  __m512 total[C];
+  for (int64_t c = 0; c < C; ++c) total[c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const int64_t left = w.row_bytes - b * 64, base = row * x.blocks + b;
+    const __mmask64 byte_mask = left >= 64 ? ~0ULL : (1ULL << left) - 1;
+    const int8_t* d = x.digits.data() + base * 256;
+    const __m512i high_even = _mm512_loadu_si512(d), high_odd = _mm512_loadu_si512(d + 64);
+    const __m512i low_even = _mm512_loadu_si512(d + 128), low_odd = _mm512_loadu_si512(d + 192);
+    const __m512i minus_eight = _mm512_loadu_si512(x.minus_eight.data() + base * 16);
+    const __m512 activation_scale = _mm512_loadu_ps(x.lane_scales.data() + base * 16);
+    const __m512i lane_group = _mm512_loadu_si512(x.lane_group.data() + 16 * b);
+    const __mmask16 group_mask = static_cast<__mmask16>((1u << x.touched[b]) - 1);
+    const int64_t g0 = x.first_group[b];
+    const bool one_group = x.one_group[b] != 0;
+    for (int64_t c = 0; c < C; ++c) {
+      __builtin_prefetch(p + c * w.row_bytes + (b + kDigitBlocksAhead) * 64, 0, 3);  // never faults past the end
+      if (ahead != nullptr) __builtin_prefetch(ahead + c * w.row_bytes + b * 64, 0, 3);
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512i bytes = _mm512_maskz_loadu_epi8(byte_mask, p + c * w.row_bytes + b * 64);
+      const __m512i even = _mm512_and_si512(bytes, low_mask);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_mask);
+      const __m512i high = dot4(dot4(_mm512_setzero_si512(), even, high_even), odd, high_odd);
+      const __m512i low = dot4(dot4(minus_eight, even, low_even), odd, low_odd);
+      const __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+      const float* group_scales = w.scales + (o + c) * w.groups + g0;
+      const __m512 weight_scale = one_group ? _mm512_set1_ps(*group_scales)  // groups of 128 columns or more
+                                            : _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(group_mask, group_scales));
+      total[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(weight_scale, activation_scale), total[c]);
+    }
+  }
+  for (int64_t c = 0; c < C; ++c) sums[c] = _mm512_reduce_add_ps(total[c]);
+}
+#endif
+
+// The same sums one value at a time, for CPUs without AVX-512: the same exact integers per 8 columns.
+void int4_digit_channel_scalar(const Int4Weights& w, int64_t o, const DigitActivations& x, int64_t row, float* sum) {
+  const uint8_t* p = w.packed + o * w.row_bytes;
+  float total = 0.0f;
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const int64_t base = row * x.blocks + b;
+    const int8_t* d = x.digits.data() + base * 256;
+    for (int64_t m = 0; m < 16; ++m) {
+      int32_t high = 0, low = x.minus_eight[base * 16 + m];
+      for (int64_t j = 4 * m; j < 4 * m + 4; ++j) {
+        const uint8_t byte = b * 64 + j < w.row_bytes ? p[b * 64 + j] : 0;
+        const int32_t even = byte & 0x0F, odd = byte >> 4;
+        high += even * d[j] + odd * d[64 + j];
+        low += even * d[128 + j] + odd * d[192 + j];
+      }
+      const float weight_scale = w.scales[o * w.groups + x.first_group[b] + x.lane_group[16 * b + m]];
+      total += static_cast<float>(256 * high + low) * (weight_scale * x.lane_scales[base * 16 + m]);
+    }
+  }
+  *sum = total;
+}
+
+}  // namespace
+
+// x: [rows, in] fp32, packed, scales, zeros as dequantize_int4 -> y: [rows, out] fp32
+// y = x times the W4A16 weights, x taken as 16-bit fixed point per 32 columns (DigitActivations), for decode's few
+// rows. group_size: a multiple of 8, or one group a row.
+at::Tensor int4_digits_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, int64_t group_size) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  const Int4Weights w = int4_weights_of(packed, scales, zeros, x.size(1), group_size);
+  TORCH_CHECK(group_size % 8 == 0 || group_size >= w.width, "group size must be a multiple of 8 or cover the row, got ",
+              group_size);
+  const int64_t rows = x.size(0);
+  const DigitActivations digits(x.data_ptr<float>(), rows, w.width, std::min(group_size, w.width), w.groups,
+                                w.zeros != nullptr);
+  at::Tensor y = at::empty({rows, w.out}, x.options());
+  float* py = y.data_ptr<float>();
+  at::parallel_for(0, (w.out + kDigitChannels - 1) / kDigitChannels, 4, [&](int64_t begin, int64_t end) {
+    const int64_t first = begin * kDigitChannels, last = std::min(w.out, end * kDigitChannels);
+    float sums[kDigitChannels];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = first; o < last;) {
+        int64_t count = 1;
+#if defined(CPU_CAPABILITY_AVX512)
+        if (o + kDigitChannels <= last) {
+          int4_digit_channels<kDigitChannels>(w, o, digits, r, sums);
+          count = kDigitChannels;
+        } else {
+          int4_digit_channels<1>(w, o, digits, r, sums);
+        }
+#else
+        int4_digit_channel_scalar(w, o, digits, r, sums);
+#endif
+        for (int64_t c = 0; c < count; ++c) {
+          float offset = 0.0f;  // zero * scale * sum of the group's activations, per group
+          if (w.zeros != nullptr)
+            for (int64_t g = 0; g < w.groups; ++g) {
+              const int64_t k = (o + c) * w.groups + g;
+              offset += w.scales[k] * w.zeros[k] * digits.group_sums[r * w.groups + g];
+            }
+          py[r * w.out + o + c] = sums[c] - offset;
+        }
+        o += count;
+      }
   });
   return y;
 }
