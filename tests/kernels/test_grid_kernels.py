@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import llmeasyquant as lq
-from llmeasyquant.kernels import candidates, native
+from llmeasyquant.kernels import candidates
 from llmeasyquant.kernels.cpu import Int4WeightOnlyKernel, NativeInt4WeightOnlyKernel
 from llmeasyquant.kernels.triton.layers import TritonW4A16Kernel
 from llmeasyquant.nn.qlinear import forced_kernel
@@ -54,13 +54,6 @@ def test_reference_kernel_runs_grid_layers_on_their_dequantized_weight(scheme):
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                     reason="no C++ compiler: the fused operators cannot be built")
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = native.ops()
-    assert built is not None, "a compiler is present, so the fused operators must build (see the log for why not)"
-    return built
 
 
 @needs_compiler

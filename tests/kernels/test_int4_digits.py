@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.kernels.test_grid_kernels import GRID_SCHEMES
-from tests.kernels.test_native_ops import int4_layer, ops, rows  # noqa: F401 (ops: the fixture)
+from tests.kernels.test_native_ops import forced_and_reference, int4_layer, rows
 
 from llmeasyquant.kernels import candidates
-from llmeasyquant.nn.qlinear import forced_kernel
 
 KERNEL = "cpu_native_w4a16_i16"
 CHUNK, LARGEST = 32, 32639.0  # columns that share a scale; the largest code, 127 * 256 + 127
@@ -38,7 +37,7 @@ SHAPES = [(576, 19), (2048, 40), (100, 7), (101, 5), (8192, 6), (40, 3)]
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
 @pytest.mark.parametrize("count", [1, 3, 6])
-def test_the_sums_are_those_of_the_fixed_point_activations(ops, scheme, in_features, out_features, count):  # noqa: F811
+def test_the_sums_are_those_of_the_fixed_point_activations(ops, scheme, in_features, out_features, count):
     """Exact integer sums per 8 columns, scaled in fp32: the float64 product of the carried activations and the
     fp32 weight, to within fp32's rounding of the scaled partial sums. Sizes cover a last block of 128 columns cut
     short, an odd width (a padding nibble), a row shorter than one chunk, groups of 8 (16 in a block) to a row, and
@@ -52,7 +51,7 @@ def test_the_sums_are_those_of_the_fixed_point_activations(ops, scheme, in_featu
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-g64", "w4a16-g128-asym", "w4a16-pt"])
-def test_the_result_is_within_half_a_step_of_each_activation_of_the_reference(ops, scheme):  # noqa: F811
+def test_the_result_is_within_half_a_step_of_each_activation_of_the_reference(ops, scheme):
     """Against the fp32 reference: each activation moves by at most half its chunk's step (max|x| / 65278), so the
     sum by at most sum_i |w_i| s_i / 2, plus rounding; and it does move (not the reference's bits)."""
     layer = int4_layer(scheme, 4096, 24)
@@ -66,7 +65,7 @@ def test_the_result_is_within_half_a_step_of_each_activation_of_the_reference(op
     assert not torch.equal(found.float(), (x @ layer.dequantize().t()))
 
 
-def test_integer_activations_of_full_range_are_carried_exactly(ops):  # noqa: F811
+def test_integer_activations_of_full_range_are_carried_exactly(ops):
     """Each chunk's largest value 32639 makes the step 1, so integer activations are the codes themselves, both
     digits at their extremes included: the result is the exact product up to fp32 rounding."""
     layer = int4_layer("w4a16-g32-asym", 256, 9)
@@ -78,7 +77,7 @@ def test_integer_activations_of_full_range_are_carried_exactly(ops):  # noqa: F8
     assert ((run(ops, layer, x).double() - expected).abs() <= (x.double().abs() @ weight.abs().t()) * 2e-6).all()
 
 
-def test_non_finite_activations_give_non_finite_rows_and_zero_rows_give_zero(ops):  # noqa: F811
+def test_non_finite_activations_give_non_finite_rows_and_zero_rows_give_zero(ops):
     layer = int4_layer("w4a16-g64-asym", 300, 10)
     x = rows(3, 300)
     x[0, 5], x[1, 299] = float("nan"), float("inf")
@@ -89,15 +88,12 @@ def test_non_finite_activations_give_non_finite_rows_and_zero_rows_give_zero(ops
 
 
 @pytest.mark.parametrize("count", [1, 16, 17, 40])
-def test_the_kernel_runs_layers_and_is_its_parent_above_sixteen_rows(ops, count):  # noqa: F811
+def test_the_kernel_runs_layers_and_is_its_parent_above_sixteen_rows(ops, count):
     layer = int4_layer("w4a16-g128-asym", 576, 33)
     assert KERNEL in [k.name for k in candidates(layer)]
     assert [k.name for k in candidates(layer)][:1] == ["cpu_native_w4a16"]  # `first` mode keeps 16 bits a value
     x = rows(count, 576)
-    with forced_kernel(layer, KERNEL), torch.no_grad():
-        found = layer(x)
-    with forced_kernel(layer, "reference"), torch.no_grad():
-        expected = layer(x)
+    found, expected = forced_and_reference(layer, KERNEL, x)
     if count > 16:
         assert torch.equal(found, expected)
     else:
@@ -107,11 +103,11 @@ def test_the_kernel_runs_layers_and_is_its_parent_above_sixteen_rows(ops, count)
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-g30", "w4a16-g36", "w3a16-g64", "w8a16", "w4a8-g128", *GRID_SCHEMES])
-def test_the_kernel_is_offered_only_for_uniform_4_bit_codes_in_groups_of_eights(ops, scheme):  # noqa: F811
+def test_the_kernel_is_offered_only_for_uniform_4_bit_codes_in_groups_of_eights(ops, scheme):
     assert KERNEL not in [k.name for k in candidates(int4_layer(scheme, 576, 8))]
 
 
-def test_groups_that_split_eight_columns_are_refused(ops):  # noqa: F811
+def test_groups_that_split_eight_columns_are_refused(ops):
     layer = int4_layer("w4a16-g30", 100, 7)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         ops.int4_digits_matmul(rows(1, 100), layer.qweight, layer.scales.float(), None, 30)

@@ -24,13 +24,6 @@ if shutil.which("c++") is None and shutil.which("g++") is None:
                 "operators", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    built = native.ops()
-    assert built is not None, "a compiler is present, so the fused operators must build (see the log for why not)"
-    return built
-
-
 def rows(count: int, width: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(count, width, generator=torch.Generator().manual_seed(seed)) * 3
 
@@ -289,6 +282,15 @@ def test_a_chosen_native_kernel_survives_the_switch_turned_off(ops, monkeypatch)
         assert torch.equal(layer(x), before)
 
 
+def forced_and_reference(layer, kernel: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's output on x with `kernel` forced, and with the reference kernel."""
+    with forced_kernel(layer, kernel), torch.no_grad():
+        found = layer(x)
+    with forced_kernel(layer, "reference"), torch.no_grad():
+        expected = layer(x)
+    return found, expected
+
+
 def int4_layer(scheme: str, in_features: int, out_features: int) -> lq.QuantLinear:
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(7)) * 0.05
     return lq.QuantLinear.from_weight(weight, torch.randn(out_features), lq.parse_scheme(scheme))
@@ -317,10 +319,7 @@ def test_int4_weight_kernel_matches_the_reference_in_fp32(ops, scheme, in_featur
         return
     assert [k.name for k in candidates(layer)][:1] == ["cpu_native_w4a16"]
     x = rows(count, in_features)
-    with forced_kernel(layer, "cpu_native_w4a16"), torch.no_grad():
-        found = layer(x)
-    with forced_kernel(layer, "reference"), torch.no_grad():
-        expected = layer(x)
+    found, expected = forced_and_reference(layer, "cpu_native_w4a16", x)
     if count > 16:
         assert torch.equal(found, expected)
     else:

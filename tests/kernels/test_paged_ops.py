@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from llmeasyquant.kernels import native
 from llmeasyquant.kernels import paged_reference as ref
 from llmeasyquant.nn.kv.key_blocks import KeyBlocks
 from llmeasyquant.primitives import unpack_bits
@@ -18,13 +17,6 @@ from llmeasyquant.primitives import unpack_bits
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler on this machine: the paged operators cannot be built (the engine runs "
                 "kernels/paged_reference.py)", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = native.ops()
-    assert built is not None, "a compiler is present, so the native operators must build (see the log for why not)"
-    return built
 
 
 def rope_table(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
