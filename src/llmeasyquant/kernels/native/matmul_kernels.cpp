@@ -880,9 +880,13 @@ struct DigitActivations {
     // Division and round-to-nearest-even conversion, as std::nearbyint(x / scale) below; |x / scale| <= kDigitMax
     // up to one rounding, so the clamp only guards.
     const __m512 divisor = _mm512_set1_ps(scale);
-    const __m512i most = _mm512_set1_epi32(static_cast<int32_t>(kDigitMax)), least = _mm512_set1_epi32(-static_cast<int32_t>(kDigitMax));
-    _mm512_store_si512(q, _mm512_max_epi32(least, _mm512_min_epi32(most, _mm512_cvtps_epi32(_mm512_div_ps(first, divisor)))));
-    _mm512_store_si512(q + 16, _mm512_max_epi32(least, _mm512_min_epi32(most, _mm512_cvtps_epi32(_mm512_div_ps(second, divisor)))));
+    const __m512i most = _mm512_set1_epi32(static_cast<int32_t>(kDigitMax));
+    const __m512i least = _mm512_set1_epi32(-static_cast<int32_t>(kDigitMax));
+    const __m512 halves[2] = {first, second};
+    for (int64_t half = 0; half < 2; ++half) {
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_div_ps(halves[half], divisor));
+      _mm512_store_si512(q + 16 * half, _mm512_max_epi32(least, _mm512_min_epi32(most, codes)));
+    }
     return scale;
 #else
     float largest = 0.0f;
@@ -912,7 +916,7 @@ constexpr int64_t kDigitChannels = 8;
 constexpr int64_t kDigitTilesAhead = 2, kDigitBlocksAhead = 8;
 
 #if defined(CPU_CAPABILITY_AVX512)
-// sums[c] = x̂[row] . (weights of output channel o + c) for C channels, x̂ the digits' activations.
+// sums[c] = xq[row] . (weights of output channel o + c) for C channels, xq the activations as the digits carry them.
 template <int64_t C>
 void int4_digit_channels(const Int4Weights& w, int64_t o, const DigitActivations& x, int64_t row, float* sums) {
   const uint8_t* p = w.packed + o * w.row_bytes;
@@ -946,8 +950,9 @@ void int4_digit_channels(const Int4Weights& w, int64_t o, const DigitActivations
       const __m512i low = dot4(dot4(minus_eight, even, low_even), odd, low_odd);
       const __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
       const float* group_scales = w.scales + (o + c) * w.groups + g0;
-      const __m512 weight_scale = one_group ? _mm512_set1_ps(*group_scales)  // groups of 128 columns or more
-                                            : _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(group_mask, group_scales));
+      const __m512 weight_scale =
+          one_group ? _mm512_set1_ps(*group_scales)  // groups of 128 columns or more
+                    : _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(group_mask, group_scales));
       total[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(weight_scale, activation_scale), total[c]);
     }
   }
