@@ -6,6 +6,7 @@ Everything here is built in code from configs: no downloads, no network, millise
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import string
 import sys
@@ -208,3 +209,15 @@ def calib_text(wiki_text: Path, tmp_path: Path) -> Path:
     text = wiki_text.read_text()
     path.write_text(text[len(text) // 2:])
     return path
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The fused C++ operators (kernels/native.py); the test is skipped where no compiler can build them."""
+    from llmeasyquant.kernels import native
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the fused operators cannot be built")
+    built = native.ops()
+    assert built is not None, "a compiler is present, so the fused operators must build (see the log for why not)"
+    return built
