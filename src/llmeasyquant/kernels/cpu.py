@@ -235,9 +235,9 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
     16-bit fixed point, q s with s = max|x| / 32639 over the 32, written as two int8 digits (q = 256 h + l), and the
     stored nibbles multiply them with VNNI's unsigned-by-signed byte dot product: exact int32 sums per 8 columns,
     scaled in fp32. An activation moves by at most max|x| / 65278 of its 32 columns (PyTorch's int4 operator rounds
-    to bf16's 8 significant bits; the parent's bf16 path keeps 16 of each value). Twice or more the parent's speed
-    at decode, where the decode of each weight in shuffles made it compute-bound (docs/RESULTS.md, "Speed at real
-    sizes"). Uniform 4-bit codes with groups of multiples of 8 columns (or one a row); above DIRECT_ROWS rows it is
+    to bf16's 8 significant bits; the parent's bf16 path keeps 16 of each value). 1.3-1.9x the parent's speed per
+    layer at decode, where decoding each weight in shuffles made the parent compute-bound (docs/RESULTS.md, "W4A16
+    on integer dot products"). Uniform 4-bit codes with groups of multiples of 8 columns (or one a row); above DIRECT_ROWS rows it is
     its parent: the dequantized fp32 weight and GEMM."""
 
     name = "cpu_native_w4a16_i16"
