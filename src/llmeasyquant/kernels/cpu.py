@@ -237,8 +237,8 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
     scaled in fp32. An activation moves by at most max|x| / 65278 of its 32 columns (PyTorch's int4 operator rounds
     to bf16's 8 significant bits; the parent's bf16 path keeps 16 of each value). 1.3-1.9x the parent's speed per
     layer at decode, where decoding each weight in shuffles made the parent compute-bound (docs/RESULTS.md, "W4A16
-    on integer dot products"). Uniform 4-bit codes with groups of multiples of 8 columns (or one a row); above DIRECT_ROWS rows it is
-    its parent: the dequantized fp32 weight and GEMM."""
+    on integer dot products"). Uniform 4-bit codes with groups of multiples of 8 columns (or one a row); above
+    DIRECT_ROWS rows it is its parent: the dequantized fp32 weight and GEMM."""
 
     name = "cpu_native_w4a16_i16"
 
