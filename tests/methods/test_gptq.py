@@ -10,8 +10,10 @@ import torch
 import llmeasyquant as lq
 from llmeasyquant.calibration.data import calibration_ids
 from llmeasyquant.cli import main
+from llmeasyquant.methods import gptq
 from llmeasyquant.methods.gptq import gptq_solve, inverse_factor_
 from llmeasyquant.primitives import choose_qparams, dequantize, qrange, quantize
+from llmeasyquant.scheme import parse_scheme
 from llmeasyquant.texts import shipped_bytes
 
 
@@ -230,3 +232,23 @@ def test_cli_true_sequential_reaches_gptq_and_only_gptq(llama_folder, wiki_text,
     assert main(["--quiet", "quantize", str(llama_folder), "--method", "rtn", "--true-sequential", "--out",
                  str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("scheme_name", ["w4a16-g32", "w4a16-g32-asym", "w3a16-g16-asym", "w8a16", "w2a16-g64-asym"])
+@pytest.mark.parametrize("act_order", [True, False])
+def test_the_native_column_loop_gives_the_python_loops_bits(monkeypatch: pytest.MonkeyPatch, ops, scheme_name: str,
+                                                             act_order: bool):
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(300, 96, generator=g) * torch.logspace(-2, 1, 96)  # channels of different scales
+    hessian = 2 * x.t() @ x / 300
+    weight = torch.randn(40, 96, generator=g)
+    weight[:, 5] *= 30  # an outlier column
+    scheme = parse_scheme(scheme_name)
+    native = gptq_solve(weight, hessian, scheme, block_size=24, act_order=act_order)
+    monkeypatch.setattr(gptq, "ops", lambda: None)
+    python = gptq_solve(weight, hessian, scheme, block_size=24, act_order=act_order)
+    assert torch.equal(native[0], python[0])
+    assert torch.equal(native[1].scale, python[1].scale)
+    assert (native[1].zero is None) == (python[1].zero is None)
+    if native[1].zero is not None:
+        assert torch.equal(native[1].zero, python[1].zero)

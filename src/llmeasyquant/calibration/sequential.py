@@ -20,6 +20,7 @@ from llmeasyquant.calibration.shared_solves import apply_shared
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.infra import distributed
 from llmeasyquant.kernels import choice
+from llmeasyquant.kernels.reference import held_weights
 from llmeasyquant.methods.base import BlockContext, Method, Quantizer
 from llmeasyquant.methods.stats import calibrate_static_inputs, collect_input_stats, relative_error, run_block
 from llmeasyquant.models.arch import ArchSpec, arch_for, blocks_of
@@ -157,7 +158,8 @@ def _run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, 
                 note = "static input range: no calibration token, took the range of the other experts' same layer"
                 ctx.fallbacks.setdefault(name, []).append(note)
                 log.warning("%s%s: %s", ctx.prefix, name, note)
-            inputs = run_block(block, inputs, kwargs)  # quantized outputs feed the next block
+            with held_weights():  # each weight dequantized once for all the batches, not once per batch
+                inputs = run_block(block, inputs, kwargs)  # quantized outputs feed the next block
             float_inputs = ctx.float_outputs
             error = relative_error(inputs, reference)
             bar.set_postfix(out_err=f"{error:.4f}", **{k: f"{v:.3g}" for k, v in ctx.stats.items()})

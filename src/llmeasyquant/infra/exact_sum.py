@@ -16,7 +16,7 @@ A term keeps its two highest bins: every bit from its largest entry's leading bi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,11 +30,20 @@ _HIGHEST_BIN = 28  # 2^(36 · 29) is beyond fp64's range: no finite value reache
 _FP32_BINS = range(-2, 4)  # top bins whose two boundaries fp32 holds as normal numbers: pieces cut in fp32
 
 
-class ExactSum:
-    """An order-independent sum of tensors of one shape; `add` terms, `all_reduce` over ranks, read `value()`."""
+# (fp32 term, high bin, low bin, high unit, low unit) -> None: adds the term's bits from the high unit down into the
+# high bin and from the low unit down into the low bin, in place, as `ExactSum.add` does with PyTorch operators.
+CutAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], None]
 
-    def __init__(self, shape: Sequence[int]) -> None:
+
+class ExactSum:
+    """An order-independent sum of tensors of one shape; `add` terms, `all_reduce` over ranks, read `value()`.
+
+    `cut_add` cuts fp32 terms in one pass instead (kernels/native's `exact_cut_add`, which methods/gram.py hands
+    in): each step is exact, so the bits are the same either way."""
+
+    def __init__(self, shape: Sequence[int], cut_add: CutAdd | None = None) -> None:
         self.shape = tuple(shape)
+        self.cut_add = cut_add
         self.terms = 0
         self.bins: dict[int, torch.Tensor] = {}  # bin index -> fp64 sum of the pieces in it
         self.special: torch.Tensor | None = None  # the plain sum of terms holding inf or NaN (the total is then too)
@@ -69,6 +78,10 @@ class ExactSum:
         high = min(max((math.frexp(top)[1] - 1) // BIN_BITS, _LOWEST_BIN + 1), _HIGHEST_BIN)
         if x.dtype != torch.float32 or high not in _FP32_BINS:
             x = x.double()
+        elif self.cut_add is not None and x.device.type == "cpu":
+            self.cut_add(x, self._bin(high), self._bin(high - 1), math.ldexp(1.0, high * BIN_BITS),
+                         math.ldexp(1.0, (high - 1) * BIN_BITS))
+            return
         # Both cuts are exact (fmod by a power of two, and the differences, drop or keep bits, never round).
         rest = torch.fmod(x, math.ldexp(1.0, high * BIN_BITS))  # the bits below bin `high`
         piece = torch.sub(x, rest)

@@ -4,9 +4,10 @@ The sources, split by purpose, build one extension module: native/decoder_ops.cp
 rotary embedding and cache write, attention, SiLU x up, int8 rows of activations), native/matmul_kernels.cpp (the
 W8A16 and W4A16 weight-only matmuls, the W4A8 and W8A8 integer matmuls), native/paged_ops.cpp (the serving engine's
 paged KV pool, float and SimQuant coded: stores and attention; kernels/paged_reference.py is their PyTorch oracle),
-native/memory_probe.cpp (the streaming read that eval/bench.py's read bandwidth takes), native/bindings.cpp (the
-module's one registration block, every name Python calls), and native/common.h (what the operator files share:
-ATen's vector type, input checks, the thread-splitting helper).
+native/memory_probe.cpp (the streaming read that eval/bench.py's read bandwidth takes), native/exact_sum_ops.cpp
+(the cut-and-add of the exact sums behind GPTQ's Hessians), native/gptq_ops.cpp (GPTQ's column loop),
+native/bindings.cpp (the module's one registration block, every name Python calls), and native/common.h (what the
+operator files share: ATen's vector type, input checks, the thread-splitting helper).
 
 PyTorch compiles the files with the machine's C++ compiler through `torch.utils.cpp_extension` (needs a compiler,
 Python's headers and the `ninja` package) and caches the build, so only the first process on a machine waits for it
@@ -36,9 +37,9 @@ log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
 # Compiled into the one extension: the decoder's operators, the matmul kernels, the paged KV pool's operators, the
-# module's registration.
+# read-bandwidth probe, the exact sums' cut-and-add, GPTQ's column loop, the module's registration.
 SOURCES = tuple(NATIVE / name for name in ("decoder_ops.cpp", "matmul_kernels.cpp", "paged_ops.cpp", "memory_probe.cpp",
-                                           "bindings.cpp"))
+                                           "exact_sum_ops.cpp", "gptq_ops.cpp", "bindings.cpp"))
 # torch.backends.cpu.get_cpu_capability() -> instruction-set flags; CPU_CAPABILITY_* selects the width of ATen's
 # Vectorized<float>, which the operators use (and its exp, which PyTorch's own kernels use too).
 _FLAGS_BY_CAPABILITY = {

@@ -17,7 +17,7 @@ paper folds the same correction into GPTQ's column loop; solving for W* first re
 The runner carries the unquantized model's activations beside the quantized ones (`float_path`). A block's layers
 go in groups that read one input (q/k/v, o, gate/up, down), in order, as GPTQ's `true_sequential` does: each group's
 X̃ is read on a pass with the groups before it quantized, its X on the block's unquantized copy, and both products
-X̃ᵀX̃ and X̃ᵀΔX are exact sums (infra/exact_gram.py), so the codes do not depend on the order of the batches.
+X̃ᵀX̃ and X̃ᵀΔX are exact sums (methods/gram.py), so the codes do not depend on the order of the batches.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
-from llmeasyquant.infra.exact_gram import ExactGram
 from llmeasyquant.methods.base import BlockContext, block_input_stats
 from llmeasyquant.methods.gptq import FACTOR_THREADS, GPTQ, input_groups
+from llmeasyquant.methods.gram import ExactGram
 from llmeasyquant.models.arch import linear_weight
 from llmeasyquant.nn.transform import transformed_input
 

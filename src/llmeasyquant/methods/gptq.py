@@ -28,12 +28,13 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.infra import distributed
+from llmeasyquant.kernels.native import ops
 from llmeasyquant.methods.base import BlockContext, Quantizer, block_input_stats, rtn_quant_linear, short_of_tokens
 from llmeasyquant.methods.stats import InputStats, collect_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.nn.transform import carry_input_transform
-from llmeasyquant.primitives import QParams, check_finite, choose_qparams, dequantize, group_width, quantize
+from llmeasyquant.primitives import QParams, check_finite, choose_qparams, dequantize, group_width, qrange, quantize
 from llmeasyquant.scheme import PerChannel, QuantScheme
 
 
@@ -75,6 +76,7 @@ class GPTQ(Quantizer):
         """Quantize the layers `names` of the block against the Hessians in `stats`: each layer's weight, or what
         `target` makes of it (GPTAQ's moved target)."""
         hessians = stats.hessian
+        factors: dict[int, HessianFactor] = {}  # id of a Hessian -> its factor, while a layer still reads it
         for position, rel_name in enumerate(names):
             scheme = ctx.plan[rel_name]
             module = block.get_submodule(rel_name)
@@ -85,15 +87,18 @@ class GPTQ(Quantizer):
             check_finite(weight, ctx.prefix + rel_name)
             if target is not None:
                 weight = target(weight)
-            # The last layer to read a Hessian (q, k and v share one) solves in its memory instead of a copy, and
-            # takes it out of the statistics: an 8B down projection's H is 0.8 GB.
+            # q, k and v (gate and up) share one Hessian and so one factor, made once. The last layer to read a
+            # Hessian takes it out of the statistics, and the factor is made in its memory when one layer reads it
+            # alone: an 8B down projection's H is 0.8 GB.
             hessian = hessians[rel_name]
             last = not any(hessians.get(other) is hessian for other in names[position + 1:])
             if last:
                 hessians.pop(rel_name)
-            codes, qp = gptq_solve(weight, hessian, scheme, self.block_size, self.damp, self.act_order,
-                                   consume=last)
-            del hessian
+            if id(hessian) not in factors:
+                factors[id(hessian)] = hessian_factor(hessian, self.damp, self.act_order, consume=last)
+            factor = factors.pop(id(hessian)) if last else factors[id(hessian)]
+            codes, qp = gptq_solve(weight, hessian, scheme, self.block_size, factor=factor)
+            del hessian, factor
             bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
             layer = QuantLinear.from_codes(codes, qp, scheme, bias)
             set_module(block, rel_name, carry_input_transform(module, layer))
@@ -112,7 +117,7 @@ def input_groups(stats: InputStats, names: list[str]) -> list[list[str]]:
     return groups
 
 
-FACTOR_THREADS = 1  # LAPACK's threads for H⁻¹'s factor: fixed, so the bits do not depend on the process's count
+FACTOR_THREADS = 2  # LAPACK's threads for H⁻¹'s factor: fixed, so the bits do not depend on the process's count
 
 
 def inverse_factor_(h: torch.Tensor) -> torch.Tensor:
@@ -121,9 +126,11 @@ def inverse_factor_(h: torch.Tensor) -> torch.Tensor:
 
     Factored in fp64, then rounded to fp32, on FACTOR_THREADS threads whatever the process runs: LAPACK's fp64 result
     depends on the thread count in its last bits, a last bit can cross an fp32 rounding boundary (1 entry in 10⁶ at
-    1536 columns, 1 against 4 or 16 threads), and GPTQ's error feedback carries it into other codes, so one process
-    and the single-threaded ranks torchrun starts would differ. Cost: 0.16 s instead of 0.03 s at 1536 columns on a
-    16-core machine (docs/distributed.md). The three steps run in place on one fp64 copy (1.6 GB at 14336 columns),
+    1536 columns, 1 against 4 or 16 threads; 21 of 2·10⁸ at 14336, 1 against 2), and GPTQ's error feedback carries
+    it into other codes, so one process and the ranks torchrun starts (one thread each) would differ. Two threads,
+    not one: an 8B model's 14336-column factor takes 48 s instead of 90 on the 2-core Xeon of docs/RESULTS.md (a
+    quarter of a block's quantization); on more cores the rest stay idle meanwhile (docs/distributed.md). The
+    three steps run in place on one fp64 copy (1.6 GB at 14336 columns),
     stored column-major: LAPACK's layout, which spares each step a copy of its own."""
     before = torch.get_num_threads()
     if before != FACTOR_THREADS:
@@ -144,33 +151,57 @@ def _group_params(weight: torch.Tensor, scheme: QuantScheme, importance: torch.T
                           importance=importance)
 
 
+@dataclass(frozen=True)
+class HessianFactor:
+    """What GPTQ solves against, from H alone: shared by the layers that read one input (q, k and v)."""
+    upper: torch.Tensor  # [in, in] fp32: the upper Cholesky factor of (P H Pᵀ + damping)⁻¹
+    perm: torch.Tensor  # [in] the column order (act-order: by decreasing H diagonal; else the identity)
+    dead: torch.Tensor  # [in] bool: inputs that were always zero
+    diagonal: torch.Tensor  # [in] H's diagonal (dead inputs at 1), undamped: a grid's importance
+    act_order: bool
+
+
 @torch.no_grad()
-def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, block_size: int = 128,
-               damp: float = 0.01, act_order: bool = False, consume: bool = False) -> tuple[torch.Tensor, QParams]:
-    """Codes [out, in] (int8, signed domain) and their qparams for `weight` [out, in] given H [in, in] (fp32).
-    With `consume` the solve works in H's memory (left holding H⁻¹'s factor) instead of a copy."""
-    rows, cols = weight.shape
-    w = weight.clone()
+def hessian_factor(hessian: torch.Tensor, damp: float = 0.01, act_order: bool = False,
+                   consume: bool = False) -> HessianFactor:
+    """H [in, in] (fp32) made ready to solve against; with `consume` in H's memory (left holding the factor)
+    instead of a copy."""
     h = hessian if consume and hessian.dtype == torch.float32 else hessian.float().clone()
     dead = torch.diag(h) == 0  # inputs that were always zero: any value works, pick zero
     h[dead, dead] = 1
-    w[:, dead] = 0
+    diagonal = torch.diag(h).clone()
+    perm = torch.argsort(diagonal, descending=True) if act_order else torch.arange(h.shape[0])
+    if act_order:  # rows, then columns, one copy at a time
+        h.copy_(h.index_select(0, perm))
+        h.copy_(h.index_select(1, perm))
+    h.diagonal().add_(damp * torch.mean(torch.diag(h)))
+    return HessianFactor(upper=inverse_factor_(h), perm=perm, dead=dead, diagonal=diagonal, act_order=act_order)
+
+
+@torch.no_grad()
+def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor | None, scheme: QuantScheme, block_size: int = 128,
+               damp: float = 0.01, act_order: bool = False, consume: bool = False,
+               factor: HessianFactor | None = None) -> tuple[torch.Tensor, QParams]:
+    """Codes [out, in] (int8, signed domain) and their qparams for `weight` [out, in] given H [in, in] (fp32), or
+    given its `factor` (made by `hessian_factor` with the damping and act-order wanted; then `hessian`, `damp`,
+    `act_order` and `consume` are not read). With `consume` the solve works in H's memory instead of a copy."""
+    if factor is None:
+        factor = hessian_factor(hessian, damp, act_order, consume)
+    rows, cols = weight.shape
+    w = weight.clone()
+    w[:, factor.dead] = 0
     width = group_width(scheme.granularity, cols)
     per_column_group = torch.arange(cols) // width  # [in]
     # Static groups: scales from the original weight. Without act-order the same choice is made group by group
     # from the updated weights as the solve reaches each group (the paper's procedure), below.
     # A grid's scales and tables are static always (a learned table belongs to the whole row), weighted by H's diagonal.
     if scheme.grid is not None:
-        static = _group_params(w, scheme, importance=torch.diag(h).clamp(min=0))
+        static = _group_params(w, scheme, importance=factor.diagonal.clamp(min=0))
     else:
-        static = _group_params(w, scheme) if act_order or isinstance(scheme.granularity, PerChannel) else None
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(cols)
-    if act_order:  # rows, then columns, one copy at a time
+        static = _group_params(w, scheme) if factor.act_order or isinstance(scheme.granularity, PerChannel) else None
+    perm, hinv = factor.perm, factor.upper
+    if factor.act_order:
         w = w[:, perm]
-        h.copy_(h.index_select(0, perm))
-        h.copy_(h.index_select(1, perm))
-    h.diagonal().add_(damp * torch.mean(torch.diag(h)))
-    hinv = inverse_factor_(h)
     codes = torch.zeros(rows, cols)
     scales = torch.zeros(rows, -(-cols // width))
     zeros = None if scheme.symmetric else torch.zeros_like(scales, dtype=torch.int32)
@@ -178,32 +209,53 @@ def gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
         scales.copy_(static.scale.expand_as(scales))
         if zeros is not None:
             zeros.copy_(static.zero.expand_as(zeros))
+    # Static uniform parameters: the column loop runs natively (the same bits, kernels/native/gptq_ops.cpp).
+    native = ops() if static is not None and static.levels is None and w.device.type == "cpu" else None
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         w1, hinv1 = w[:, start:end].clone(), hinv[start:end, start:end]
-        err1 = torch.zeros_like(w1)
-        for i in range(end - start):
-            col = int(perm[start + i])
-            group = int(per_column_group[col])
-            if static is None and col % width == 0:
-                # Dynamic groups (no act-order, so columns arrive in order): fix this group's scale now.
-                g_end = min(col + width, cols)
-                block_part = torch.cat((w1[:, i:], w[:, end:]), dim=1)[:, : g_end - col]
-                qp = _group_params(block_part, scheme)
-                scales[:, group] = qp.scale[:, 0]
-                if zeros is not None:
-                    zeros[:, group] = qp.zero[:, 0]
-            scale = scales[:, group]
-            zero = zeros[:, group] if zeros is not None else None
-            column_qp = QParams(scale[:, None], None if zero is None else zero[:, None], group_size=1,
-                                levels=static.levels if static is not None else None)
-            q = quantize(w1[:, i : i + 1], column_qp, scheme.bits)  # [rows, 1]
-            codes[:, start + i] = q[:, 0]
-            dequant = dequantize(q, column_qp)[:, 0]
-            err = (w1[:, i] - dequant) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
+        if native is not None:
+            err1, block_codes = torch.empty_like(w1), torch.empty_like(w1)
+            columns = per_column_group[perm[start:end]]  # each column's group
+            native.gptq_block(w1, hinv1, scales.index_select(1, columns),
+                              None if zeros is None else zeros.index_select(1, columns).float(), block_codes, err1,
+                              *qrange(scheme.bits))
+            codes[:, start:end] = block_codes
+        else:
+            err1 = _solve_columns(w, w1, hinv1, codes, scales, zeros, static, scheme, perm, per_column_group, width,
+                                  start)
         w[:, end:] -= err1 @ hinv[start:end, end:]
     codes = codes[:, torch.argsort(perm)]
     qp = QParams(scale=scales, zero=zeros, group_size=width, levels=static.levels if static is not None else None)
     return codes.to(torch.int8), qp
+
+
+def _solve_columns(w: torch.Tensor, w1: torch.Tensor, hinv1: torch.Tensor, codes: torch.Tensor,
+                   scales: torch.Tensor, zeros: torch.Tensor | None, static: QParams | None, scheme: QuantScheme,
+                   perm: torch.Tensor, per_column_group: torch.Tensor, width: int, start: int) -> torch.Tensor:
+    """The columns of the lazy block w1 = w[:, start:end] one by one (w1 updated in place, codes and, for dynamic
+    groups, scales and zeros written); returns the block's errors [rows, end - start] for the update after it."""
+    cols, end = w.shape[1], start + w1.shape[1]
+    err1 = torch.zeros_like(w1)
+    for i in range(end - start):
+        col = int(perm[start + i])
+        group = int(per_column_group[col])
+        if static is None and col % width == 0:
+            # Dynamic groups (no act-order, so columns arrive in order): fix this group's scale now.
+            g_end = min(col + width, cols)
+            block_part = torch.cat((w1[:, i:], w[:, end:]), dim=1)[:, : g_end - col]
+            qp = _group_params(block_part, scheme)
+            scales[:, group] = qp.scale[:, 0]
+            if zeros is not None:
+                zeros[:, group] = qp.zero[:, 0]
+        scale = scales[:, group]
+        zero = zeros[:, group] if zeros is not None else None
+        column_qp = QParams(scale[:, None], None if zero is None else zero[:, None], group_size=1,
+                            levels=static.levels if static is not None else None)
+        q = quantize(w1[:, i : i + 1], column_qp, scheme.bits)  # [rows, 1]
+        codes[:, start + i] = q[:, 0]
+        dequant = dequantize(q, column_qp)[:, 0]
+        err = (w1[:, i] - dequant) / hinv1[i, i]
+        w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+        err1[:, i] = err
+    return err1

@@ -19,8 +19,8 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.infra import distributed
-from llmeasyquant.infra.exact_gram import ExactGram
 from llmeasyquant.infra.exact_sum import exact_totals
+from llmeasyquant.methods.gram import ExactGram
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.nn.transform import transformed_input
 

@@ -1,5 +1,5 @@
-// The Python module of the native operators (kernels/native.py builds it from this file, decoder_ops.cpp,
-// matmul_kernels.cpp and paged_ops.cpp). PYBIND11_MODULE defines the module's one init function, so the registration is a single
+// The Python module of the native operators (kernels/native.py builds it from this file and the others its SOURCES
+// name). PYBIND11_MODULE defines the module's one init function, so the registration is a single
 // block in a file of its own: neither half owns it, and every name Python calls is listed here.
 
 #include <torch/extension.h>
@@ -72,6 +72,19 @@ at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
 // buffer: uint8 [n] -> the XOR of its 64-bit words over whole cache lines
 int64_t stream_xor(const at::Tensor& buffer);
 
+// ==== the exact sums' cut-and-add (exact_sum_ops.cpp) ====
+
+// term: fp32 [n], high_bin, low_bin: fp64 [n] (added to in place), high_unit, low_unit: powers of two
+void exact_cut_add(const at::Tensor& term_in, at::Tensor high_bin, at::Tensor low_bin, double high_unit,
+                   double low_unit);
+
+// ==== GPTQ's column loop (gptq_ops.cpp) ====
+
+// w: [rows, B] fp32 (in place), factor: [B, B] fp32, scales, zeros: [rows, B] fp32, codes, errors: [rows, B] fp32
+void gptq_block(at::Tensor w, const at::Tensor& factor_in, const at::Tensor& scales_in,
+                const c10::optional<at::Tensor>& zeros_in, at::Tensor codes, at::Tensor errors, double qmin_in,
+                double qmax_in);
+
 // ==== paged KV pool (paged_ops.cpp) ====
 
 // qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, key_pool, value_pool: [N, kv_heads, B,
@@ -116,6 +129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_int8_matmul", &int4_int8_matmul);
   m.def("int8_int8_matmul", &int8_int8_matmul);
   m.def("stream_xor", &stream_xor);
+  m.def("exact_cut_add", &exact_cut_add);
+  m.def("gptq_block", &gptq_block);
   m.def("rms_norm", &rms_norm);
   m.def("rope_store", &rope_store);
   m.def("decode_attention", &decode_attention);

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmeasyquant.infra import exact_gram
-from llmeasyquant.infra.exact_gram import ExactGram
+from llmeasyquant.methods import gram as exact_gram
+from llmeasyquant.methods.gram import ExactGram
 
 
 def _batches(width: int, count: int, seed: int = 0) -> list[torch.Tensor]:
