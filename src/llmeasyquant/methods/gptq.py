@@ -128,10 +128,10 @@ def inverse_factor_(h: torch.Tensor) -> torch.Tensor:
     depends on the thread count in its last bits, a last bit can cross an fp32 rounding boundary (1 entry in 10⁶ at
     1536 columns, 1 against 4 or 16 threads; 21 of 2·10⁸ at 14336, 1 against 2), and GPTQ's error feedback carries
     it into other codes, so one process and the ranks torchrun starts (one thread each) would differ. Two threads,
-    not one: an 8B model's 14336-column factor takes 48 s instead of 90 on the 2-core Xeon of docs/RESULTS.md (a
-    quarter of a block's quantization); on more cores the rest stay idle meanwhile (docs/distributed.md). The
-    three steps run in place on one fp64 copy (1.6 GB at 14336 columns),
-    stored column-major: LAPACK's layout, which spares each step a copy of its own."""
+    not one: an 8B model's 14336-column factor takes 48 s instead of 90 on the 2-core Xeon of docs/RESULTS.md (the
+    largest step of a block); on more cores the rest stay idle meanwhile (docs/distributed.md). The three steps run
+    in place on one fp64 copy (1.6 GB at 14336 columns), stored column-major: LAPACK's layout, which spares each
+    step a copy of its own."""
     before = torch.get_num_threads()
     if before != FACTOR_THREADS:
         torch.set_num_threads(FACTOR_THREADS)

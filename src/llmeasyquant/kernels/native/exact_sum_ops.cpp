@@ -1,6 +1,6 @@
 // The exact sums' cut-and-add (infra/exact_sum.py, for the Gram matrices of methods/gram.py): one pass over an fp32
-// term instead of the seven PyTorch passes (two remainders, two differences, two promoted additions) that cost
-// more than the GEMM that made the term at an 8B model's widths.
+// term instead of the seven PyTorch passes (two remainders, two differences, two promoted additions) that took
+// as long as the GEMM that made the term at an 8B model's widths.
 //
 // Every step is exact, so these bits are the PyTorch path's whatever the order or the vector width: the remainder
 // by a power of two, x - trunc(x / u) * u, drops bits and never rounds (x / u and the product only move the
