@@ -111,3 +111,16 @@ def test_groups_that_split_eight_columns_are_refused(ops):
     layer = int4_layer("w4a16-g30", 100, 7)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         ops.int4_digits_matmul(rows(1, 100), layer.qweight, layer.scales.float(), None, 30)
+
+
+@pytest.mark.parametrize(("in_features", "smaller"), [(4096, 64), (576, 8), (300, 32)])
+def test_a_scale_a_block_and_a_scale_a_lane_give_the_same_bits(ops, in_features, smaller):
+    """Groups of 128 take one broadcast scale a block; smaller groups pick each lane's. The same scales written as
+    smaller groups (each repeated) must give the same sums to the bit, on whole tiles of 8 channels and the tail."""
+    layer = int4_layer("w4a16-g128", in_features, 21)
+    x = rows(2, in_features)
+    scales = layer.scales.float()
+    repeated = scales.repeat_interleave(128 // smaller, dim=1)[:, : -(-in_features // smaller)].contiguous()
+    per_block = ops.int4_digits_matmul(x, layer.qweight, scales, None, 128)
+    per_lane = ops.int4_digits_matmul(x, layer.qweight, repeated, None, smaller)
+    assert torch.equal(per_block, per_lane)

@@ -789,6 +789,7 @@ struct DigitActivations {
   std::vector<int32_t> lane_group;   // [blocks, 16]
   std::vector<int64_t> first_group, touched;  // [blocks]
   std::vector<uint8_t> one_group;  // [blocks]: whether every lane is in the first group (groups of 128 or more)
+  bool one_group_each = true;      // whether that holds for every block
 
   DigitActivations(const float* x, int64_t rows, int64_t width, int64_t group_size, int64_t groups_in, bool zeros)
       : blocks((width + kDigitBlock - 1) / kDigitBlock), groups(groups_in) {
@@ -803,6 +804,7 @@ struct DigitActivations {
       for (int64_t m = 0; m < 16; ++m)
         lane_group.push_back(static_cast<int32_t>(std::min(groups - 1, (b * kDigitBlock + 8 * m) / group_size) - g0));
       one_group.push_back(lane_group.back() == 0);
+      one_group_each = one_group_each && one_group.back() != 0;
     }
     for_rows(rows, width, [&](int64_t first, int64_t last) {
       for (int64_t r = first; r < last; ++r) {
@@ -909,50 +911,57 @@ struct DigitActivations {
 // Output channels that share each load of digits: 8 streams of codes in flight, 8 fp32 totals carried; eight
 // against four: the same streaming rate, 14 -> 18 GB/s a thread on codes held in L2.
 constexpr int64_t kDigitChannels = 8;
-// Prefetched, at each block: the same block of the channels two tiles on, and each stream's own 8 blocks (512
-// bytes) on. Streaming 8 of the 8B down projections from memory, one row, 2 threads (scratch timing): 22-24 GB/s
+// Prefetched, at each block: the same block of the channels two tiles on (to L2), and each stream's own 8 blocks
+// (512 bytes) on. Streaming 8 of the 8B down projections from memory, one row, 2 threads (scratch timing): 22-24 GB/s
 // with the first alone, 18 with an in-stream prefetch alone (16 blocks on), 23-24.5 with both; 24 of the 8B q
 // projections, 4096 wide: 16-17, 12 and 18 GB/s.
 constexpr int64_t kDigitTilesAhead = 2, kDigitBlocksAhead = 8;
 
 #if defined(CPU_CAPABILITY_AVX512)
 // sums[c] = xq[row] . (weights of output channel o + c) for C channels, xq the activations as the digits carry them.
-template <int64_t C>
+// OneGroup: every block's columns lie in one weight group (x.one_group_each: groups a multiple of 128 columns), so
+// a channel's scale is one broadcast. As one loop for both cases, the compiler computed the per-lane scales for
+// every block too: streaming 1.2 GB of 8B-shaped layers from memory, one row, 2 threads (scratch timing, the same
+// bits) 5-12% slower at 4096 columns, the same at 14336.
+template <int64_t C, bool OneGroup>
 void int4_digit_channels(const Int4Weights& w, int64_t o, const DigitActivations& x, int64_t row, float* sums) {
   const uint8_t* p = w.packed + o * w.row_bytes;
-  // Decode reads every weight once, from memory: the bytes of later channels are asked for ahead of their use.
-  const int64_t skip = kDigitTilesAhead * kDigitChannels;
-  const uint8_t* ahead = o + C + skip <= w.out ? p + skip * w.row_bytes : nullptr;
+  const int64_t row_bytes = w.row_bytes, groups = w.groups;
+  const float* scales = w.scales + o * groups;
+  // Decode reads every weight once, from memory: the bytes of later channels are asked for ahead of their use
+  // (a prefetch past the end of the codes never faults).
+  const uint8_t* ahead = p + kDigitTilesAhead * kDigitChannels * row_bytes;
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
   __m512 total[C];
   for (int64_t c = 0; c < C; ++c) total[c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
-    const int64_t left = w.row_bytes - b * 64, base = row * x.blocks + b;
+    const int64_t left = row_bytes - b * 64, base = row * x.blocks + b;
     const __mmask64 byte_mask = left >= 64 ? ~0ULL : (1ULL << left) - 1;
     const int8_t* d = x.digits.data() + base * 256;
     const __m512i high_even = _mm512_loadu_si512(d), high_odd = _mm512_loadu_si512(d + 64);
     const __m512i low_even = _mm512_loadu_si512(d + 128), low_odd = _mm512_loadu_si512(d + 192);
     const __m512i minus_eight = _mm512_loadu_si512(x.minus_eight.data() + base * 16);
     const __m512 activation_scale = _mm512_loadu_ps(x.lane_scales.data() + base * 16);
-    const __m512i lane_group = _mm512_loadu_si512(x.lane_group.data() + 16 * b);
-    const __mmask16 group_mask = static_cast<__mmask16>((1u << x.touched[b]) - 1);
-    const int64_t g0 = x.first_group[b];
-    const bool one_group = x.one_group[b] != 0;
+    const float* block_scales = scales + x.first_group[b];
     for (int64_t c = 0; c < C; ++c) {
-      __builtin_prefetch(p + c * w.row_bytes + (b + kDigitBlocksAhead) * 64, 0, 3);  // never faults past the end
-      if (ahead != nullptr) __builtin_prefetch(ahead + c * w.row_bytes + b * 64, 0, 3);
+      __builtin_prefetch(p + c * row_bytes + (b + kDigitBlocksAhead) * 64, 0, 3);
+      __builtin_prefetch(ahead + c * row_bytes + b * 64, 0, 1);
     }
     for (int64_t c = 0; c < C; ++c) {
-      const __m512i bytes = _mm512_maskz_loadu_epi8(byte_mask, p + c * w.row_bytes + b * 64);
+      const __m512i bytes = _mm512_maskz_loadu_epi8(byte_mask, p + c * row_bytes + b * 64);
       const __m512i even = _mm512_and_si512(bytes, low_mask);
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_mask);
       const __m512i high = dot4(dot4(_mm512_setzero_si512(), even, high_even), odd, high_odd);
       const __m512i low = dot4(dot4(minus_eight, even, low_even), odd, low_odd);
       const __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
-      const float* group_scales = w.scales + (o + c) * w.groups + g0;
-      const __m512 weight_scale =
-          one_group ? _mm512_set1_ps(*group_scales)  // groups of 128 columns or more
-                    : _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(group_mask, group_scales));
+      __m512 weight_scale;
+      if (OneGroup || x.one_group[b] != 0) {
+        weight_scale = _mm512_set1_ps(block_scales[c * groups]);
+      } else {  // groups of 8 to 120 columns (at most 16 a block): each lane's own
+        const __mmask16 group_mask = static_cast<__mmask16>((1u << x.touched[b]) - 1);
+        weight_scale = _mm512_permutexvar_ps(_mm512_loadu_si512(x.lane_group.data() + 16 * b),
+                                             _mm512_maskz_loadu_ps(group_mask, block_scales + c * groups));
+      }
       total[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(weight_scale, activation_scale), total[c]);
     }
   }
@@ -1007,10 +1016,13 @@ at::Tensor int4_digits_matmul(const at::Tensor& x_in, const at::Tensor& packed, 
         int64_t count = 1;
 #if defined(CPU_CAPABILITY_AVX512)
         if (o + kDigitChannels <= last) {
-          int4_digit_channels<kDigitChannels>(w, o, digits, r, sums);
+          if (digits.one_group_each)
+            int4_digit_channels<kDigitChannels, true>(w, o, digits, r, sums);
+          else
+            int4_digit_channels<kDigitChannels, false>(w, o, digits, r, sums);
           count = kDigitChannels;
         } else {
-          int4_digit_channels<1>(w, o, digits, r, sums);
+          int4_digit_channels<1, false>(w, o, digits, r, sums);
         }
 #else
         int4_digit_channel_scalar(w, o, digits, r, sums);
