@@ -98,6 +98,20 @@ def test_quantized_lm_head_round_trip(tiny_llama, random_ids: torch.Tensor, tmp_
     assert torch.equal(_logits(loaded, random_ids), _logits(model, random_ids))
 
 
+def test_a_loaded_model_holds_its_own_copy_of_the_weights(tiny_llama, random_ids: torch.Tensor,
+                                                          tmp_path: Path) -> None:
+    """safetensors maps the file; the loaded layers must not read the file's pages (decoding streams them every
+    token, slower from the mapping): the model is unchanged when the file is overwritten in place."""
+    lq.save(_quantize(tiny_llama, "w4a16-g64"), tmp_path / "ckpt")
+    loaded, _ = lq.load(tmp_path / "ckpt")
+    before = _logits(loaded, random_ids)
+    weights = tmp_path / "ckpt" / WEIGHTS_FILE
+    size = weights.stat().st_size
+    with weights.open("r+b") as handle:  # in place: the same file, its pages changed
+        handle.write(bytes(size))
+    assert torch.equal(_logits(loaded, random_ids), before)
+
+
 @pytest.mark.parametrize("keep_fp32, float_dtype", [(False, torch.float16), (True, torch.float32)])
 def test_float_tensors_are_stored_in_the_chosen_width(tiny_gpt2, keep_fp32: bool, float_dtype: torch.dtype,
                                                       tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import nn
 
+from llmeasyquant.infra.memory import release_freed_memory
 from llmeasyquant.models.arch import arch_for, blocks_of, get_module
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.scheme import ActMode
@@ -97,4 +98,7 @@ def fuse_shared_inputs(model: nn.Module) -> int:
                     member.shared = (call, index)
                 fused += 1
     log.info("fused %d groups of layers that share an input", fused)
+    # The members' own buffers are freed now; under glibc's mmap threshold they would stay counted in the heap
+    # (0.8 GB of the 8B shape's q/k/v and gate/up).
+    release_freed_memory()
     return fused
