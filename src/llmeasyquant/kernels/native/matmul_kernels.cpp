@@ -912,9 +912,10 @@ struct DigitActivations {
 // against four: the same streaming rate, 14 -> 18 GB/s a thread on codes held in L2.
 constexpr int64_t kDigitChannels = 8;
 // Prefetched, at each block: the same block of the channels two tiles on (to L2), and each stream's own 8 blocks
-// (512 bytes) on. Streaming 8 of the 8B down projections from memory, one row, 2 threads (scratch timing): 22-24 GB/s
-// with the first alone, 18 with an in-stream prefetch alone (16 blocks on), 23-24.5 with both; 24 of the 8B q
-// projections, 4096 wide: 16-17, 12 and 18 GB/s.
+// (512 bytes) on. Streaming 8 of the 8B down projections in turn, one row, 2 threads (scratch timing; 235 MB, so
+// partly from the Xeon's 480 MB L3): 22-24 GB/s with the first alone, 18 with an in-stream prefetch alone (16
+// blocks on), 23-24.5 with both; 24 of the 8B q projections, 4096 wide: 16-17, 12 and 18 GB/s. From memory (1.2 GB
+// of layers) with no software prefetch at all: 13-14 GB/s at 4096 columns against 19-23 with both.
 constexpr int64_t kDigitTilesAhead = 2, kDigitBlocksAhead = 8;
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -957,7 +958,7 @@ void int4_digit_channels(const Int4Weights& w, int64_t o, const DigitActivations
       __m512 weight_scale;
       if (OneGroup || x.one_group[b] != 0) {
         weight_scale = _mm512_set1_ps(block_scales[c * groups]);
-      } else {  // groups of 8 to 120 columns (at most 16 a block): each lane's own
+      } else {  // a block spanning groups (at most 16: groups are multiples of 8): each lane's own
         const __mmask16 group_mask = static_cast<__mmask16>((1u << x.touched[b]) - 1);
         weight_scale = _mm512_permutexvar_ps(_mm512_loadu_si512(x.lane_group.data() + 16 * b),
                                              _mm512_maskz_loadu_ps(group_mask, block_scales + c * groups));
