@@ -908,30 +908,28 @@ struct DigitActivations {
   }
 };
 
-// Output channels that share each load of digits: 8 streams of codes in flight, 8 fp32 totals carried; eight
-// against four: the same streaming rate, 14 -> 18 GB/s a thread on codes held in L2.
-constexpr int64_t kDigitChannels = 8;
-// Prefetched, at each block: the same block of the channels two tiles on (to L2), and each stream's own 8 blocks
-// (512 bytes) on. Streaming 8 of the 8B down projections in turn, one row, 2 threads (scratch timing; 235 MB, so
-// partly from the Xeon's 480 MB L3): 22-24 GB/s with the first alone, 18 with an in-stream prefetch alone (16
-// blocks on), 23-24.5 with both; 24 of the 8B q projections, 4096 wide: 16-17, 12 and 18 GB/s. From memory (1.2 GB
-// of layers) with no software prefetch at all: 13-14 GB/s at 4096 columns against 19-23 with both.
-constexpr int64_t kDigitTilesAhead = 2, kDigitBlocksAhead = 8;
+// Output channels that share each load of digits, each from its own stretch of the thread's rows: a thread's rows
+// are read as kDigitStreams sequential streams far apart (stream s takes channels first + s * span + i, i in
+// order), each stream one run of memory from its first row to its last, prefetched kDigitLinesAhead lines on (into
+// L1). Neighbouring channels (8 rows a row_bytes apart, with the next tile prefetched) had been the pattern before:
+// streaming 1.2 GB of 8B-shaped layers from memory, one row, 2 threads (scratch timing, the same bits) 21.4 / 18.7 /
+// 20.7 GB/s at 4096 x 14336 / 6144 x 4096 / 28672 x 4096 against 24.2 / 21.8 / 24.4 for four far streams; the
+// same loads without arithmetic 27.5 / 24.7 / 28.4. Two streams read slower (20.0 / 19.8 / 22.8); 3 to 8 and 8 to
+// 32 lines ahead alike.
+constexpr int64_t kDigitStreams = 4;
+constexpr int64_t kDigitLinesAhead = 16;
 
 #if defined(CPU_CAPABILITY_AVX512)
-// sums[c] = xq[row] . (weights of output channel o + c) for C channels, xq the activations as the digits carry them.
-// OneGroup: every block's columns lie in one weight group (x.one_group_each: groups a multiple of 128 columns), so
-// a channel's scale is one broadcast. As one loop for both cases, the compiler computed the per-lane scales for
-// every block too: streaming 1.2 GB of 8B-shaped layers from memory, one row, 2 threads (scratch timing, the same
-// bits) 5-12% slower at 4096 columns, the same at 14336.
+// sums[c] = xq[row] . (weights of output channel o + c * stride) for C channels, xq the activations as the digits
+// carry them. OneGroup: every block's columns lie in one weight group (x.one_group_each: groups a multiple of 128
+// columns), so a channel's scale is one broadcast. As one loop for both cases, the compiler computed the per-lane
+// scales for every block too: 5-12% slower at 4096 columns (scratch timing, the same bits), the same at 14336.
 template <int64_t C, bool OneGroup>
-void int4_digit_channels(const Int4Weights& w, int64_t o, const DigitActivations& x, int64_t row, float* sums) {
+void int4_digit_channels(const Int4Weights& w, int64_t o, int64_t stride, const DigitActivations& x, int64_t row,
+                         float* sums) {
   const uint8_t* p = w.packed + o * w.row_bytes;
-  const int64_t row_bytes = w.row_bytes, groups = w.groups;
+  const int64_t row_bytes = w.row_bytes, groups = w.groups, stream_bytes = stride * row_bytes;
   const float* scales = w.scales + o * groups;
-  // Decode reads every weight once, from memory: the bytes of later channels are asked for ahead of their use
-  // (a prefetch past the end of the codes never faults).
-  const uint8_t* ahead = p + kDigitTilesAhead * kDigitChannels * row_bytes;
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
   __m512 total[C];
   for (int64_t c = 0; c < C; ++c) total[c] = _mm512_setzero_ps();
@@ -945,23 +943,23 @@ void int4_digit_channels(const Int4Weights& w, int64_t o, const DigitActivations
     const __m512 activation_scale = _mm512_loadu_ps(x.lane_scales.data() + base * 16);
     const float* block_scales = scales + x.first_group[b];
     for (int64_t c = 0; c < C; ++c) {
-      __builtin_prefetch(p + c * row_bytes + (b + kDigitBlocksAhead) * 64, 0, 3);
-      __builtin_prefetch(ahead + c * row_bytes + b * 64, 0, 1);
-    }
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512i bytes = _mm512_maskz_loadu_epi8(byte_mask, p + c * row_bytes + b * 64);
+      const uint8_t* codes = p + c * stream_bytes + b * 64;
+      // a stream runs on into its next row, so this reaches past a row's end (and never faults past the codes')
+      __builtin_prefetch(codes + kDigitLinesAhead * 64, 0, 3);
+      const __m512i bytes = _mm512_maskz_loadu_epi8(byte_mask, codes);
       const __m512i even = _mm512_and_si512(bytes, low_mask);
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_mask);
       const __m512i high = dot4(dot4(_mm512_setzero_si512(), even, high_even), odd, high_odd);
       const __m512i low = dot4(dot4(minus_eight, even, low_even), odd, low_odd);
       const __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+      const float* channel_scales = block_scales + c * stride * groups;
       __m512 weight_scale;
       if (OneGroup || x.one_group[b] != 0) {
-        weight_scale = _mm512_set1_ps(block_scales[c * groups]);
+        weight_scale = _mm512_set1_ps(channel_scales[0]);
       } else {  // a block spanning groups (at most 16: groups are multiples of 8): each lane's own
         const __mmask16 group_mask = static_cast<__mmask16>((1u << x.touched[b]) - 1);
         weight_scale = _mm512_permutexvar_ps(_mm512_loadu_si512(x.lane_group.data() + 16 * b),
-                                             _mm512_maskz_loadu_ps(group_mask, block_scales + c * groups));
+                                             _mm512_maskz_loadu_ps(group_mask, channel_scales));
       }
       total[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(weight_scale, activation_scale), total[c]);
     }
@@ -1009,36 +1007,39 @@ at::Tensor int4_digits_matmul(const at::Tensor& x_in, const at::Tensor& packed, 
                                 w.zeros != nullptr);
   at::Tensor y = at::empty({rows, w.out}, x.options());
   float* py = y.data_ptr<float>();
-  at::parallel_for(0, (w.out + kDigitChannels - 1) / kDigitChannels, 4, [&](int64_t begin, int64_t end) {
-    const int64_t first = begin * kDigitChannels, last = std::min(w.out, end * kDigitChannels);
-    float sums[kDigitChannels];
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t o = first; o < last;) {
-        int64_t count = 1;
-#if defined(CPU_CAPABILITY_AVX512)
-        if (o + kDigitChannels <= last) {
-          if (digits.one_group_each)
-            int4_digit_channels<kDigitChannels, true>(w, o, digits, r, sums);
-          else
-            int4_digit_channels<kDigitChannels, false>(w, o, digits, r, sums);
-          count = kDigitChannels;
-        } else {
-          int4_digit_channels<1, false>(w, o, digits, r, sums);
-        }
-#else
-        int4_digit_channel_scalar(w, o, digits, r, sums);
-#endif
-        for (int64_t c = 0; c < count; ++c) {
-          float offset = 0.0f;  // zero * scale * sum of the group's activations, per group
-          if (w.zeros != nullptr)
-            for (int64_t g = 0; g < w.groups; ++g) {
-              const int64_t k = (o + c) * w.groups + g;
-              offset += w.scales[k] * w.zeros[k] * digits.group_sums[r * w.groups + g];
-            }
-          py[r * w.out + o + c] = sums[c] - offset;
-        }
-        o += count;
+  // y[r, o] from the channel's integer sums, less zero * scale * sum of the group's activations, per group
+  const auto finish = [&](int64_t r, int64_t o, float sum) {
+    float offset = 0.0f;
+    if (w.zeros != nullptr)
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const int64_t k = o * w.groups + g;
+        offset += w.scales[k] * w.zeros[k] * digits.group_sums[r * w.groups + g];
       }
+    py[r * w.out + o] = sum - offset;
+  };
+  at::parallel_for(0, w.out, 32, [&](int64_t begin, int64_t end) {
+    float sums[kDigitStreams];
+    for (int64_t r = 0; r < rows; ++r) {
+#if defined(CPU_CAPABILITY_AVX512)
+      const int64_t span = (end - begin) / kDigitStreams;
+      for (int64_t i = 0; i < span; ++i) {
+        if (digits.one_group_each)
+          int4_digit_channels<kDigitStreams, true>(w, begin + i, span, digits, r, sums);
+        else
+          int4_digit_channels<kDigitStreams, false>(w, begin + i, span, digits, r, sums);
+        for (int64_t s = 0; s < kDigitStreams; ++s) finish(r, begin + i + s * span, sums[s]);
+      }
+      for (int64_t o = begin + kDigitStreams * span; o < end; ++o) {
+        int4_digit_channels<1, false>(w, o, 1, digits, r, sums);
+        finish(r, o, sums[0]);
+      }
+#else
+      for (int64_t o = begin; o < end; ++o) {
+        int4_digit_channel_scalar(w, o, digits, r, sums);
+        finish(r, o, sums[0]);
+      }
+#endif
+    }
   });
   return y;
 }
