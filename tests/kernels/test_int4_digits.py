@@ -124,3 +124,32 @@ def test_a_scale_a_block_and_a_scale_a_lane_give_the_same_bits(ops, in_features,
     per_block = ops.int4_digits_matmul(x, layer.qweight, scales, None, 128)
     per_lane = ops.int4_digits_matmul(x, layer.qweight, repeated, None, smaller)
     assert torch.equal(per_block, per_lane)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("count", [1, 3])
+def test_fp16_scales_are_read_as_stored_with_the_bits_of_their_fp32_widening(ops, scheme, count):
+    layer = int4_layer(scheme, 576, 203)
+    half_zeros = layer.zeros.half() if layer.zeros is not None else None
+    wide_zeros = half_zeros.float() if half_zeros is not None else None
+    x = rows(count, 576)
+    as_stored = ops.int4_digits_matmul(x, layer.qweight, layer.scales.half(), half_zeros, layer.group_size)
+    widened = ops.int4_digits_matmul(x, layer.qweight, layer.scales.half().float(), wide_zeros, layer.group_size)
+    assert torch.equal(as_stored, widened)
+
+
+def test_the_kernel_keeps_fp16_scales_without_an_fp32_copy(ops):
+    layer = int4_layer("w4a16-g128-asym", 576, 33)
+    assert layer.scales.dtype == torch.float16 and layer.zeros.dtype == torch.int8
+    prepared = next(k for k in candidates(layer) if k.name == KERNEL).prepare(layer)
+    assert prepared["scales"].data_ptr() == layer.scales.data_ptr()
+    assert prepared["zeros"].dtype == torch.float16 and torch.equal(prepared["zeros"].float(), layer.zeros.float())
+
+
+def test_scales_of_another_dtype_or_zeros_of_another_dtype_are_refused(ops):
+    layer = int4_layer("w4a16-g128-asym", 256, 5)
+    x = rows(1, 256)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        ops.int4_digits_matmul(x, layer.qweight, layer.scales.bfloat16(), None, 128)
+    with pytest.raises(RuntimeError, match="zeros"):
+        ops.int4_digits_matmul(x, layer.qweight, layer.scales.half(), layer.zeros.float(), 128)

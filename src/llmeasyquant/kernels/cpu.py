@@ -247,9 +247,20 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
         return (layer.scheme.bits == 4 and layer.scheme.grid is None and layer.scheme.act is None and group_ok
                 and native.ops() is not None)
 
+    def prepare(self, layer) -> dict:
+        # fp16 scales are read as stored: no fp32 copy beside them, and half the scale bytes a token (the same sums:
+        # fp16 widens to fp32 exactly). Zero points go with them as fp16 (int8 ones exactly). Other scales: fp32.
+        half = layer.scales.dtype == torch.float16 and (
+            layer.zeros is None or layer.zeros.dtype in (torch.float16, torch.int8, torch.uint8))
+        dtype = torch.float16 if half else torch.float32
+        zeros = layer.zeros.to(dtype).contiguous() if layer.zeros is not None else None
+        return {"scales": layer.scales.to(dtype).contiguous(), "zeros": zeros, "levels": None,
+                "qweight": layer.qweight}
+
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
-        if x.shape[0] > self.DIRECT_ROWS:
-            return super().run(layer, x, prepared)
+        if x.shape[0] > self.DIRECT_ROWS:  # the parent's fp32 weight, its scales widened for this call
+            zeros = prepared["zeros"].float() if prepared["zeros"] is not None else None
+            return super().run(layer, x, {**prepared, "scales": prepared["scales"].float(), "zeros": zeros})
         with scope(NATIVE_GEMM):
             return native.built().int4_digits_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"],
                                                      layer.group_size)
