@@ -153,3 +153,11 @@ def test_scales_of_another_dtype_or_zeros_of_another_dtype_are_refused(ops):
         ops.int4_digits_matmul(x, layer.qweight, layer.scales.bfloat16(), None, 128)
     with pytest.raises(RuntimeError, match="zeros"):
         ops.int4_digits_matmul(x, layer.qweight, layer.scales.half(), layer.zeros.float(), 128)
+
+
+@pytest.mark.parametrize(("group_size", "message"),
+                         [(0, "group size must be even"), (64, r"scales must be \[out, groups\]")])
+def test_a_group_size_that_does_not_fit_the_scales_is_refused(ops, group_size, message):
+    layer = int4_layer("w4a16-g128", 256, 5)
+    with pytest.raises(RuntimeError, match=message):
+        ops.int4_digits_matmul(rows(1, 256), layer.qweight, layer.scales.half(), None, group_size)

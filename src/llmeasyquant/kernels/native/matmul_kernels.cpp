@@ -167,22 +167,23 @@ at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, co
 
 // ==== W4A16 weights: packed int4 codes, scales, zeros ====
 
-// Weights of W4A16 layers: packed [out, ceil(in / 2)] uint8 nibbles (u = code + 8, even column low), scales and
-// zeros [out, groups] fp32 (zeros absent: symmetric), `group_size` columns a group (even, or one group a row).
 // The shapes every W4A16 operator takes: packed [out, ceil(in / 2)], scales [out, ceil(in / group_size)], zeros as
 // the scales.
 void check_int4_layout(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                        int64_t width, int64_t group_size) {
-  const int64_t out = packed.size(0), groups = (width + group_size - 1) / group_size;
+  const int64_t out = packed.size(0);
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) == (width + 1) / 2, "packed must be [out, ceil(in / 2)] = [", out,
               ", ", (width + 1) / 2, "]");
   TORCH_CHECK(group_size > 0 && (group_size % 2 == 0 || group_size >= width),
               "group size must be even or cover the row, got ", group_size);
+  const int64_t groups = (width + group_size - 1) / group_size;
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == out && scales.size(1) == groups, "scales must be [out, groups] = [",
               out, ", ", groups, "]");
   TORCH_CHECK(!zeros.has_value() || zeros->sizes() == scales.sizes(), "zeros must match scales");
 }
 
+// Weights of W4A16 layers: packed [out, ceil(in / 2)] uint8 nibbles (u = code + 8, even column low), scales and
+// zeros [out, groups] fp32 (zeros absent: symmetric), `group_size` columns a group (even, or one group a row).
 struct Int4Weights {
   const uint8_t* packed;
   const float* scales;
