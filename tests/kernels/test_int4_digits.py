@@ -31,7 +31,7 @@ def run(ops, layer, x: torch.Tensor) -> torch.Tensor:
 
 
 SCHEMES = ["w4a16", "w4a16-pt", "w4a16-g32-asym", "w4a16-g64", "w4a16-g128-asym", "w4a16-g96-asym", "w4a16-g8"]
-SHAPES = [(576, 19), (2048, 40), (100, 7), (101, 5), (8192, 6), (40, 3), (256, 203)]
+SHAPES = [(576, 19), (2048, 40), (100, 7), (101, 5), (8192, 6), (40, 3), (256, 203), (128, 1100)]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -41,7 +41,8 @@ def test_the_sums_are_those_of_the_fixed_point_activations(ops, scheme, in_featu
     """Exact integer sums per 8 columns, scaled in fp32: the float64 product of the carried activations and the
     fp32 weight, to within fp32's rounding of the scaled partial sums. Sizes cover a last block of 128 columns cut
     short, an odd width (a padding nibble), a row shorter than one chunk, groups of 8 (16 in a block) to a row, and
-    channel counts that are not multiples of the streams of 4 (203 on two threads: 101 and 102)."""
+    channel counts that are not multiples of the streams of 4 (203 on two threads), and a last eighth of the
+    channels in several chunks that the threads take as they come (1100)."""
     layer = int4_layer(scheme, in_features, out_features)
     weight = layer.dequantize().double()
     x = rows(count, in_features) * torch.linspace(0.01, 4, in_features)  # chunks of unequal ranges
