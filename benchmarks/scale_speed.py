@@ -12,7 +12,8 @@ on the same weights exported to GGUF, in one run.
 2. Per scheme of ours, in turn (one checkpoint on disk and in memory at a time): quantize it
    (`llmeasyquant quantize DIR --method rtn ... --lm-head HEAD --stream`: each with the head in its own scheme,
    W8A16, W8A8, W4A16 g128 or W4A8 g128), load it
-   (export/checkpoint.load, as `bench` does), fuse q/k/v and gate/up (as `bench` does), then `--repeats` rounds,
+   (export/checkpoint.load, as `bench` does), fuse q/k/v and gate/up and move the weights onto 2 MiB pages (as
+   `bench` does; records before 2026-11-28 01:30 UTC ran on 4 KiB pages), then `--repeats` rounds,
    each: the machine's read bandwidth (eval/bench.py), our greedy decode on the lean loop (a `--prompt-tokens`
    prompt of seeded random ids, then `--new-tokens` tokens; tokens/s over the steps after the first), then one
    `llama-bench -p 0 -n NEW -r 1` per GGUF of the same bits (Q8_0 beside W8A16 and W8A8; Q4_0 and Q4_1 beside
@@ -313,6 +314,7 @@ def summarize(name: str, rounds: list[dict], stored: int, kernel: int, peers: di
 def measure(name: str, checkpoint: Path, ggufs: dict[str, Path], binary: Path | None,
             args: argparse.Namespace) -> dict:
     from llmeasyquant import fuse_shared_inputs, load
+    from llmeasyquant.nn.placement import place_on_huge_pages
 
     started = conditions()
     load_start = time.perf_counter()
@@ -321,6 +323,7 @@ def measure(name: str, checkpoint: Path, ggufs: dict[str, Path], binary: Path | 
     load_s = time.perf_counter() - load_start
     stored = weight_bytes_per_token(model)
     fuse_shared_inputs(model)
+    huge_page_bytes = place_on_huge_pages(model)
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)
     peers = {q: p for q, p in ggufs.items() if name in PEERS[q][2]} if binary is not None else {}
@@ -345,7 +348,7 @@ def measure(name: str, checkpoint: Path, ggufs: dict[str, Path], binary: Path | 
     gc.collect()
     release_freed_memory()
     row = summarize(name, rounds, stored, kernel, {q: gguf_bytes_per_token(p) for q, p in peers.items()})
-    return row | {"decode_kernels": kernels, "load_s": load_s, "conditions_before": started,
+    return row | {"decode_kernels": kernels, "load_s": load_s, "huge_page_bytes": huge_page_bytes, "conditions_before": started,
                   "conditions_after": conditions()}
 
 
@@ -394,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                + f" --new-tokens {args.new_tokens} --schemes {args.schemes}")
     protocol = {"batch": 1, "prompt": f"{args.prompt_tokens} seeded random token ids (seed {args.seed})",
                 "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                "threads": args.threads, "runtime": "lean (fused operators), q/k/v and gate/up fused",
+                "threads": args.threads, "runtime": "lean (fused operators), q/k/v and gate/up fused, weights on 2 MiB pages",
                 "order": "per scheme: quantize, load; then each round: bandwidth, ours, llama-bench on each GGUF of "
                          "its bits",
                 "llama_bench": "llama-bench -m F -p 0 -n NEW -t THREADS -r 1 -o json (avg_ts), once per round",

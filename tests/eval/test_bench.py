@@ -16,6 +16,7 @@ from llmeasyquant.eval.bench import (
     thread_counts,
     weight_bytes_per_token,
 )
+from llmeasyquant.infra.memory import huge_pages_available
 from llmeasyquant.kernels import native
 from llmeasyquant.record import read_records
 
@@ -124,9 +125,15 @@ def test_cli_bench_checkpoint_against_its_source(llama_folder, tmp_path, capsys)
     assert records[1].model.endswith("(float, lean)")
     assert records[2].protocol["baseline"] == records[0].model
     assert records[2].metric("weight_bytes_per_token") < records[0].metric("weight_bytes_per_token")
+    moved = records[2].protocol["huge_page_bytes"]  # every model's weights, where the system has huge pages
+    assert set(moved) == {r.model for r in records}
+    assert all(v > 0 for v in moved.values()) == huge_pages_available()
     assert main(["--quiet", "bench", str(out), "--runtime", "transformers", "--repeats", "1", "--prompt-tokens", "8",
-                 "--new-tokens", "3", "--prefill-tokens", "16", "--no-breakdown", "--json", str(result)]) == 0
-    assert [r.metric("runtime") for r in read_records(result)] == ["transformers", "transformers"]
+                 "--new-tokens", "3", "--prefill-tokens", "16", "--no-breakdown", "--no-huge-pages",
+                 "--json", str(result)]) == 0
+    records = read_records(result)
+    assert [r.metric("runtime") for r in records] == ["transformers", "transformers"]
+    assert set(records[0].protocol["huge_page_bytes"].values()) == {0}
     capsys.readouterr()
     assert main(["--quiet", "bench", str(out), "--baseline", "none", "--repeats", "1", "--prompt-tokens", "8",
                  "--new-tokens", "3", "--prefill-tokens", "16", "--no-breakdown"]) == 0

@@ -1,13 +1,17 @@
-"""Freed heap memory goes back to the system on glibc, so a streamed run's resident size does not creep."""
+"""Freed heap memory goes back to the system on glibc, so a streamed run's resident size does not creep; memory on
+2 MiB pages where the system has them."""
 
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
-from llmeasyquant.infra.memory import _libc, release_freed_memory
+from llmeasyquant.infra import memory
+from llmeasyquant.infra.memory import HUGE_PAGE, _libc, huge_page_buffer, huge_pages_available, release_freed_memory
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
@@ -42,3 +46,30 @@ print(grown - process.memory_info().rss)
 """
     freed = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
     assert freed > 300 << 20
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
+def test_huge_page_buffer_is_aligned_zeroed_and_advised() -> None:
+    buffer = huge_page_buffer(3 * HUGE_PAGE + 100)
+    assert buffer is not None and buffer.dtype == torch.uint8 and buffer.numel() == 3 * HUGE_PAGE + 100
+    assert buffer.data_ptr() % HUGE_PAGE == 0
+    assert not buffer.any()
+    buffer[-1] = 7
+    assert buffer[-1] == 7
+    # The mapping that holds it is advised for huge pages ("hg" among its VmFlags in /proc/self/smaps).
+    address, flags, inside = buffer.data_ptr(), None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+            break
+    assert flags is not None and "hg" in flags
+
+
+def test_huge_page_buffer_refuses_where_unavailable(monkeypatch) -> None:
+    monkeypatch.setattr(memory, "huge_pages_available", lambda: False)
+    assert memory.huge_page_buffer(HUGE_PAGE) is None
+    assert memory.huge_page_buffer(0) is None

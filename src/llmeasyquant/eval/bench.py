@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from llmeasyquant.eval.speed import RUNTIMES, generation_speed, prefill_speed, profile_decode, resolve_runtime
+from llmeasyquant.infra.memory import huge_page_buffer
 from llmeasyquant.kernels import native
 
 log = logging.getLogger(__name__)
@@ -54,17 +55,23 @@ def memory_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:
     (a few sequential streams a thread, each prefetched ahead, as the decode kernels read their weights). A decode
     step streams its weights the same way: read once, nothing written. The second exists because on some CPUs a
     sum reads slower than the kernels do (on the 2-core Xeon of docs/RESULTS.md 21 GB/s against 29), and a bound
-    below what is reached bounds nothing."""
-    buffer = torch.ones(megabytes * 2**20 // 4)
+    below what is reached bounds nothing. For the same reason the buffer is read on 4 KiB pages and, where the
+    system has them, on 2 MiB pages too, as the decoding commands place the weights (nn/placement.py)."""
+    numel = megabytes * 2**20 // 4
+    buffers = [torch.ones(numel)]
+    huge = huge_page_buffer(numel * 4)
+    if huge is not None:
+        buffers.append(huge.view(torch.float32).fill_(1.0))
     ops = native.ops()
-    reads = [buffer.sum] + ([lambda: ops.stream_xor(buffer.view(torch.uint8))] if ops is not None else [])
+    reads = [read for buffer in buffers for read in
+             [buffer.sum] + ([lambda b=buffer: ops.stream_xor(b.view(torch.uint8))] if ops is not None else [])]
     best = float("inf")
     for _ in range(repeats):
         for read in reads:
             start = time.perf_counter()
             read()
             best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best / 1e9
+    return numel * 4 / best / 1e9
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:

@@ -1,4 +1,5 @@
-"""Giving freed memory back to the system, for the streamed runs whose peak memory is their point.
+"""Giving freed memory back to the system, for the streamed runs whose peak memory is their point; and memory on
+2 MiB pages for the weights a decode step streams.
 
 A block's packed tensors (tens of MB each) fall under glibc's mmap threshold, so once freed they stay in the heap
 as free space that the process's resident size still counts: a streamed 8B quantization grew by about 50 MB per
@@ -17,7 +18,10 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +64,30 @@ def available_bytes() -> int | None:
         return (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
     except (OSError, KeyError, ValueError):
         return None
+
+
+HUGE_PAGE = 2 << 20  # bytes: the x86-64 and arm64 transparent huge page
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_available() -> bool:
+    """Whether anonymous memory can be asked for transparent huge pages here: Linux, with THP not set to never."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        return "[never]" not in _THP_SETTING.read_text()
+    except OSError:
+        return False
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` zeroed bytes (uint8) from a 2 MiB boundary of a private anonymous mapping advised for transparent
+    huge pages, or None where they are not available. The kernel backs each touched 2 MiB with one page where it
+    has one free; the mapping lives as long as the tensor or any view of it."""
+    if nbytes <= 0 or not huge_pages_available():
+        return None
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped when the last view goes
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]

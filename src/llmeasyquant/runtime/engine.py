@@ -211,9 +211,11 @@ class Engine:
         from llmeasyquant.export.checkpoint import is_checkpoint, load
         from llmeasyquant.models.load import load_model
         from llmeasyquant.nn.fused import fuse_shared_inputs
+        from llmeasyquant.nn.placement import place_on_huge_pages
 
         model, tokenizer = load(spec) if is_checkpoint(spec) else load_model(spec)
         fuse_shared_inputs(model)  # q/k/v and gate/up as one GEMM each: the same results, fewer calls
+        place_on_huge_pages(model)  # each decode step streams the weights: fewer TLB misses on 2 MiB pages
         return cls(model, tokenizer, config, name or (Path(spec).name if is_checkpoint(spec) else str(spec)))
 
     # requests ----------------------------------------------------------------------------------------------------
