@@ -13,9 +13,10 @@ on the same weights exported to GGUF, in one run.
    (`llmeasyquant quantize DIR --method rtn ... --lm-head HEAD --stream`: each with the head in its own scheme,
    W8A16, W8A8, W4A16 g128 or W4A8 g128), load it
    (export/checkpoint.load, as `bench` does), fuse q/k/v and gate/up and move the weights onto 2 MiB pages (as
-   `bench` does; records before 2026-11-28 01:30 UTC ran on 4 KiB pages), then `--repeats` rounds,
-   each: the machine's read bandwidth (eval/bench.py), our greedy decode on the lean loop (a `--prompt-tokens`
-   prompt of seeded random ids, then `--new-tokens` tokens; tokens/s over the steps after the first), then one
+   `bench` does; records before 2026-11-28 01:07 UTC, without `huge_page_bytes`, ran on 4 KiB pages), then
+   `--repeats` rounds, each: the machine's read bandwidth (eval/bench.py), our greedy decode on the lean loop (a
+   `--prompt-tokens` prompt of seeded random ids, then `--new-tokens` tokens; tokens/s over the steps after the
+   first), then one
    `llama-bench -p 0 -n NEW -r 1` per GGUF of the same bits (Q8_0 beside W8A16 and W8A8; Q4_0 and Q4_1 beside
    W4A16 and W4A8). Medians over rounds. The load average and available memory are recorded with every
    measurement (the machine is shared). Its record is written (merged into --out by model and scheme) and its
@@ -348,7 +349,8 @@ def measure(name: str, checkpoint: Path, ggufs: dict[str, Path], binary: Path | 
     gc.collect()
     release_freed_memory()
     row = summarize(name, rounds, stored, kernel, {q: gguf_bytes_per_token(p) for q, p in peers.items()})
-    return row | {"decode_kernels": kernels, "load_s": load_s, "huge_page_bytes": huge_page_bytes, "conditions_before": started,
+    return row | {"decode_kernels": kernels, "load_s": load_s, "huge_page_bytes": huge_page_bytes,
+                  "conditions_before": started,
                   "conditions_after": conditions()}
 
 
@@ -397,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                + f" --new-tokens {args.new_tokens} --schemes {args.schemes}")
     protocol = {"batch": 1, "prompt": f"{args.prompt_tokens} seeded random token ids (seed {args.seed})",
                 "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                "threads": args.threads, "runtime": "lean (fused operators), q/k/v and gate/up fused, weights on 2 MiB pages",
+                "threads": args.threads,
+                "runtime": "lean (fused operators), q/k/v and gate/up fused, weights on 2 MiB pages",
                 "order": "per scheme: quantize, load; then each round: bandwidth, ours, llama-bench on each GGUF of "
                          "its bits",
                 "llama_bench": "llama-bench -m F -p 0 -n NEW -t THREADS -r 1 -o json (avg_ts), once per round",

@@ -22,6 +22,7 @@ from llmeasyquant.models.load import load_model
 from llmeasyquant.nn.fused import fuse_shared_inputs
 from llmeasyquant.nn.kv.cache import KVCacheSpec, QuantizedKVCache
 from llmeasyquant.nn.kv.config import KVQuantConfig
+from llmeasyquant.nn.placement import place_on_huge_pages
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.plan import Plan, Rule
 from llmeasyquant.record import Record, read_records, write_records
@@ -93,6 +94,7 @@ __all__ = [
     "load_model",
     "make_scheme",
     "parse_scheme",
+    "place_on_huge_pages",
     "quantize",
     "read_records",
     "save",
