@@ -114,10 +114,12 @@ def test_groups_that_split_eight_columns_are_refused(ops):
         ops.int4_digits_matmul(rows(1, 100), layer.qweight, layer.scales.float(), None, 30)
 
 
-@pytest.mark.parametrize(("in_features", "smaller"), [(4096, 64), (576, 8), (300, 32)])
+# 33024 columns: 258 groups of 128, more than the kernel widens into a local row (kDigitLocalGroups): the general path
+@pytest.mark.parametrize(("in_features", "smaller"), [(4096, 64), (576, 8), (300, 32), (33024, 64)])
 def test_a_scale_a_block_and_a_scale_a_lane_give_the_same_bits(ops, in_features, smaller):
-    """Groups of 128 take one broadcast scale a block; smaller groups pick each lane's. The same scales written as
-    smaller groups (each repeated) must give the same sums to the bit, on whole tiles of 8 channels and the tail."""
+    """Groups of 128 take one broadcast scale a block (from a local fp32 row of the channel's scales, up to 256
+    groups); smaller groups pick each lane's. The same scales written as smaller groups (each repeated) must give the
+    same sums to the bit, on whole streams of channels and the tail, fp32 and fp16 scales alike."""
     layer = int4_layer("w4a16-g128", in_features, 21)
     x = rows(2, in_features)
     scales = layer.scales.float()
@@ -125,6 +127,8 @@ def test_a_scale_a_block_and_a_scale_a_lane_give_the_same_bits(ops, in_features,
     per_block = ops.int4_digits_matmul(x, layer.qweight, scales, None, 128)
     per_lane = ops.int4_digits_matmul(x, layer.qweight, repeated, None, smaller)
     assert torch.equal(per_block, per_lane)
+    half = ops.int4_digits_matmul(x, layer.qweight, layer.scales.half(), None, 128)
+    assert torch.equal(half, ops.int4_digits_matmul(x, layer.qweight, layer.scales.half().float(), None, 128))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
