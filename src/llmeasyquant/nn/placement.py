@@ -1,9 +1,10 @@
 """A loaded model's weights moved onto 2 MiB pages before decoding.
 
 A decode step streams every weight once from memory. On 4 KiB pages that is a TLB miss and a page walk every 4 KiB
-of each stream; on transparent huge pages, one every 2 MiB. Moving the 8B W4A16 checkpoint's weights made its decode
-about 5% faster on the reference machine, and the 1B one's 5.5% (docs/RESULTS.md, "Weights on 2 MiB pages"). Values,
-shapes, strides and the sharing of fused layers' views are kept, so every result is the same bit for bit.
+of each stream; on transparent huge pages, one every 2 MiB (llama.cpp's mapped GGUF file is on them). Moving the
+weights made the 8B W4A16 checkpoint decode 1.028x as fast on the reference machine and the 1B one 1.046x, in one
+process (benchmarks/huge_pages.py; docs/RESULTS.md, "Weights on 2 MiB pages"). Values, shapes, strides and the
+sharing of fused layers' views are kept, so every result is the same bit for bit.
 """
 
 from __future__ import annotations

@@ -971,8 +971,9 @@ inline __m512 load_widened(const at::Half* p, __mmask16 mask) {
 
 // sums[c] = xq[row] . (weights of output channel o + c * stride) for C channels, xq the activations as the digits
 // carry them. OneGroup: every block's columns lie in one weight group (x.one_group_each: groups a multiple of 128
-// columns) and a row has at most kDigitLocalGroups groups, so a block's scale is one broadcast from the local row. As one loop for both cases, the compiler computed the per-lane
-// scales for every block too: 5-12% slower at 4096 columns (scratch timing, the same bits), the same at 14336.
+// columns) and a row has at most kDigitLocalGroups groups, so a block's scale is one broadcast from the local row.
+// As one loop for both cases, the compiler computed the per-lane scales for every block too: 5-12% slower at 4096
+// columns (scratch timing, the same bits), the same at 14336.
 template <int64_t C, bool OneGroup, typename Scale>
 void int4_digit_channels(const DigitWeights<Scale>& w, int64_t o, int64_t stride, const DigitActivations& x,
                          int64_t row, float* sums) {
