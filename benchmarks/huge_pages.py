@@ -85,7 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.new_tokens < 2 or args.prompt_tokens < 8:
         parser.error("need --rounds >= 1, --new-tokens >= 2 and --prompt-tokens >= 8")
+    before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        run(args)
+    finally:
+        torch.set_num_threads(before)
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
     protocol = {"batch": 1, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
                 "new_tokens": args.new_tokens, "rounds": args.rounds, "seed": args.seed,
                 "runtime": "lean (fused operators), q/k/v and gate/up fused", "machine": machine(),
@@ -100,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
                       + [Record.new("huge_pages", checkpoint.name, row, protocol, command)])
         print(f"{checkpoint.name}: 4 KiB pages {row['tok_s_4k']:.2f} tok/s, 2 MiB pages {row['tok_s_2m']:.2f} "
               f"({row['speedup']:.3f}x; faster in {row['rounds_2m_faster']} of {args.rounds} rounds)", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
