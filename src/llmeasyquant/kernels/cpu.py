@@ -2,7 +2,8 @@
 
 - W8A8: dynamic per-token int8 activations x int8 weights with `torch._int_mm` (int32 accumulation), or for
   decode's few rows the native integer matmul over the stored codes.
-- W4A8: the same activations x group-wise int4 weights on the native integer matmul (int32 sums per group).
+- W4A8: the same activations x group-wise int4 weights on the native integer matmul (int32 sums per group; a
+  prompt's rows on AMX's int8 tiles where the CPU has them, the same bits).
 - W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`, or fp32 ones on the native matmul.
 - W4A16: fp32 activations on the native int4 matmul, or for decode 16-bit fixed-point ones on its integer dot
   products; or (and 2/3-bit codes, unpacked from dense storage into
@@ -296,7 +297,9 @@ class NativeInt4Int8Kernel:
     fused quantize_rows), 4-bit group-wise weights unpacked to bytes in registers, int32 sums per group (VNNI where
     the CPU has it) scaled in fp32: the reference kernel's integer product, exact per group (bit for bit with
     per-channel weights; with groups, the fp32 sum over groups may round differently). Groups must be multiples of 8
-    wide (or span the row).
+    wide (or span the row). From 16 rows (a prompt) the operator runs on AMX's int8 tiles where the CPU and OS
+    allow (native/w4a8_amx.cpp: the same int32 sums and fp32 steps, so the same bits; 1.7-2x the VNNI loop on a
+    512-row GEMM of SmolLM2's shapes, docs/RESULTS.md "W4A8 prefill on AMX tiles")
 
     Asymmetric activations (codes q_x with a zero point z_x per token): the kernel multiplies q_x as they are, and
     s_x Σ_k (q_x - z_x) Ŵ_k = kernel(q_x) - s_x z_x Σ_k Ŵ_k, with Σ_k Ŵ_k (each output channel's dequantized weight

@@ -58,10 +58,13 @@ at::Tensor int4_levels_matmul(const at::Tensor& x_in, const at::Tensor& packed, 
                               const at::Tensor& levels_in, int64_t group_size);
 
 // qx: [rows, in] int8, x_scales: [rows, 1] fp32, tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16]
-// fp32, offsets: [groups, tiles * 16] int32 -> [rows, out] fp32
+// fp32, offsets: [groups, tiles * 16] int32 -> [rows, out] fp32; amx: 1 (the default) takes AMX's tiles for calls
+// large enough to gain, 0 never, 2 whenever this CPU has them (tests)
 at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& tiled,
                             const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
-                            int64_t out_features);
+                            int64_t out_features, int64_t amx);
+// Whether this CPU and OS run AMX's int8 tiles (w4a8_amx.cpp)
+bool amx_int8_usable();
 // qx: [rows, in] int8, x_scales: [rows, 1] fp32, q: [out, in] int8, w_scales: [out] fp32, w_sums: [out] int32
 // -> y: [rows, out] fp32
 at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& q_in,
@@ -126,7 +129,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_built", &bf16_dot_built);
   m.def("int4_digits_matmul", &int4_digits_matmul);
   m.def("int8_weight_matmul", &int8_weight_matmul);
-  m.def("int4_int8_matmul", &int4_int8_matmul);
+  m.def("int4_int8_matmul", &int4_int8_matmul, py::arg("qx"), py::arg("x_scales"), py::arg("tiled"), py::arg("scales"),
+        py::arg("offsets"), py::arg("group_size"), py::arg("out_features"), py::arg("amx") = 1);
+  m.def("amx_int8_usable", &amx_int8_usable);
   m.def("int8_int8_matmul", &int8_int8_matmul);
   m.def("stream_xor", &stream_xor);
   m.def("exact_cut_add", &exact_cut_add);

@@ -5,6 +5,7 @@
 // few rows (PyTorch's integer GEMM stays the one for many rows).
 
 #include "common.h"
+#include "w4a8_tiles.h"
 
 #include <atomic>
 #include <cmath>
@@ -559,21 +560,6 @@ at::Tensor int4_matmul_weights(const at::Tensor& x, const Int4Weights& weights) 
 
 namespace {
 
-// The weights of a W4A8 layer, tiled for the integer dot product (kernels/cpu.py `tile_int4_codes` makes them):
-// `tiled` [tiles, blocks, 16, 4] uint8 holds, for each tile of 16 output channels and each block of 8 input
-// columns, 4 bytes a channel: byte c has column 8b + c in its low nibble and column 8b + 4 + c in its high one, the
-// nibble being u = code + 8 in [0, 15]. One 64-byte load gives 16 channels x 8 columns, so the 32-bit lanes of a
-// vector are output channels and each takes 4 activation bytes broadcast to all lanes: no horizontal sums, and the
-// activations are read in their natural order.
-// `scales` [groups, padded out] fp32 and `offsets` [groups, padded out] int32 (8 + zero, so that
-// sum_i (code_i - zero) qx_i = sum_i u_i qx_i - offset * sum_i qx_i, exact in int32 per group).
-struct Int4TiledWeights {
-  const uint8_t* tiled;
-  const float* scales;
-  const int32_t* offsets;
-  int64_t tiles, blocks, groups, group_size, out;
-};
-
 // Blocks of 64 bytes ahead that each tile's stream prefetches.
 constexpr int64_t kW4A8PrefetchBlocks = 16;
 
@@ -684,6 +670,11 @@ void w4a8_tile_scalar(const Int4TiledWeights& w, int64_t t, int64_t rows, const 
 // docs/RESULTS.md ("Speed at real sizes"), streaming the 8B layers from memory at one row, 2 threads: 19 GB/s with
 // pairs, 26 GB/s (a torch sum's rate) with 8 tiles and the prefetch.
 constexpr int64_t kW4A8Rows = 8, kW4A8PairRows = 4, kW4A8DecodeTiles = 8;
+// Calls of at least this many rows and tiles of 16 channels take AMX's tiles where the CPU has them (w4a8_amx.cpp;
+// 32 rows a pass, padded). Measured on the Xeon of docs/RESULTS.md, 2 threads: at 576 x 1536 AMX is ahead from 24
+// rows (0.056 against 0.082 ms at 32), at 1536 x 576 even at 32 and 1.4x at 64; at 576 x 192 (12 tiles) behind up
+// to 128 rows and even at 512 (each strip's fixed cost: unpacking, tile configuration).
+constexpr int64_t kW4A8AmxRows = 32, kW4A8AmxTiles = 32;
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Every row of y [rows, out] for tiles t..t+T-1: R rows per call, then the rest one at a time.
@@ -704,9 +695,11 @@ void w4a8_rows(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t*
 // fp32, offsets: [groups, tiles * 16] int32 -> y: [rows, out] fp32
 // y = (qx times the int4 weights) scaled, as kernels/reference.py's integer product computes it: exact int32 sums
 // per group. group_size is a multiple of 8 (or covers the row); columns past `in` up to the block are zero in qx.
+// amx: 1 takes AMX's tiles (w4a8_amx.cpp, the same bits) for calls large enough to gain, 0 never, 2 whenever the CPU
+// has them (tests).
 at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& tiled,
                             const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
-                            int64_t out_features) {
+                            int64_t out_features, int64_t amx) {
   const at::Tensor qx_dense = input(qx_in, at::kChar, "qx");
   const at::Tensor x_scales = input(x_scales_in, at::kFloat, "x_scales");
   check_cpu(tiled, at::kByte, "tiled");
@@ -723,11 +716,19 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == tiles * 16 &&
                   offsets.sizes() == scales.sizes(),
               "scales and offsets must be [groups, tiles * 16] = [", groups, ", ", tiles * 16, "]");
-  // Rows padded to whole blocks with zero codes, and each row's activation sum per group.
+  // Rows padded to whole blocks with zero codes.
   at::Tensor qx = qx_dense;
   if (width % 8 != 0) qx = at::constant_pad_nd(qx_dense, {0, blocks * 8 - width}, 0);
   const int64_t stride = blocks * 8;
   const int8_t* pq = qx.data_ptr<int8_t>();
+  const Int4TiledWeights w{tiled.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>(), tiles,
+                           blocks, groups, span, out_features};
+  at::Tensor y = at::empty({rows, out_features}, x_scales.options());
+  float* py = y.data_ptr<float>();
+  const float* pxs = x_scales.data_ptr<float>();
+  const bool large = rows >= kW4A8AmxRows && tiles >= kW4A8AmxTiles;
+  if ((amx == 2 || (amx == 1 && large)) && int4_int8_matmul_amx(w, pq, rows, stride, pxs, py)) return y;
+  // Each row's activation sum per group (the offsets' term).
   std::vector<int32_t> sums(rows * groups, 0);
   for_rows(rows, stride, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r)
@@ -739,11 +740,6 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
         sums[r * groups + g] = sum;
       }
   });
-  const Int4TiledWeights w{tiled.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>(), tiles,
-                           blocks, groups, span, out_features};
-  at::Tensor y = at::empty({rows, out_features}, x_scales.options());
-  float* py = y.data_ptr<float>();
-  const float* pxs = x_scales.data_ptr<float>();
   at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end;) {
 #if defined(CPU_CAPABILITY_AVX512)
