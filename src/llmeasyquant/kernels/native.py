@@ -4,6 +4,7 @@ The sources, split by purpose, build one extension module: native/decoder_ops.cp
 rotary embedding and cache write, attention, SiLU x up, int8 rows of activations), native/matmul_kernels.cpp (the
 W8A16 and W4A16 weight-only matmuls, the W4A8 and W8A8 integer matmuls), native/w4a8_amx.cpp (W4A8 for a prompt's
 rows on AMX's int8 tiles where the CPU has them; native/w4a8_tiles.h is the weight layout the two share),
+native/decode_block.cpp (a decode step's block in one call, chaining the operators above),
 native/paged_ops.cpp (the serving engine's paged KV pool, float and SimQuant coded: stores and attention;
 kernels/paged_reference.py is their PyTorch oracle),
 native/memory_probe.cpp (the streaming read that eval/bench.py's read bandwidth takes), native/exact_sum_ops.cpp
@@ -38,11 +39,12 @@ import torch
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
-# Compiled into the one extension: the decoder's operators, the matmul kernels (and W4A8's AMX path for prompts), the
-# paged KV pool's operators, the read-bandwidth probe, the exact sums' cut-and-add, GPTQ's column loop, the module's
-# registration.
-SOURCES = tuple(NATIVE / name for name in ("decoder_ops.cpp", "matmul_kernels.cpp", "w4a8_amx.cpp", "paged_ops.cpp",
-                                           "memory_probe.cpp", "exact_sum_ops.cpp", "gptq_ops.cpp", "bindings.cpp"))
+# Compiled into the one extension: the decoder's operators, the matmul kernels (and W4A8's AMX path for prompts), a
+# decode step's block in one call, the paged KV pool's operators, the read-bandwidth probe, the exact sums'
+# cut-and-add, GPTQ's column loop, the module's registration.
+SOURCES = tuple(NATIVE / name for name in ("decoder_ops.cpp", "matmul_kernels.cpp", "w4a8_amx.cpp", "decode_block.cpp",
+                                           "paged_ops.cpp", "memory_probe.cpp", "exact_sum_ops.cpp", "gptq_ops.cpp",
+                                           "bindings.cpp"))
 # torch.backends.cpu.get_cpu_capability() -> instruction-set flags; CPU_CAPABILITY_* selects the width of ATen's
 # Vectorized<float>, which the operators use (and its exp, which PyTorch's own kernels use too).
 _FLAGS_BY_CAPABILITY = {

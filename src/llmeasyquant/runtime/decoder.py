@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmeasyquant.kernels.choice import is_pinned
 from llmeasyquant.models.arch import apply_rope
 from llmeasyquant.nn.positions import row_positions
 from llmeasyquant.runtime.model_parts import NO_NORM, DecoderParts
+from llmeasyquant.runtime.native_block import BlockArguments, block_arguments
 
 
 class LeanDecoder:
@@ -30,9 +32,11 @@ class LeanDecoder:
 
     `prefill(ids)` runs the prompt and returns the next token's logits; `step(token)` appends one token.
     `reset()` starts a new sequence in the same cache. `fused=False` runs on PyTorch operators only (as where the
-    fused operators cannot be built or do not cover the model)."""
+    fused operators cannot be built or do not cover the model). With them, a step runs each block whose linears all
+    take W4A16's digits kernel as one native call (runtime/native_block.py; the same bits); `native_blocks=False`
+    (or setting the attribute) keeps every block on the Python loop, to measure what that call brings."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, fused: bool = True) -> None:
+    def __init__(self, model: nn.Module, max_tokens: int, fused: bool = True, native_blocks: bool = True) -> None:
         parts = DecoderParts(model, max_tokens, fused)
         self.parts, self.blocks, self.fused_ops = parts, parts.blocks, parts.fused_ops
         self.heads, self.kv_heads, self.head_dim, self.scaling = (parts.heads, parts.kv_heads, parts.head_dim,
@@ -43,6 +47,10 @@ class LeanDecoder:
         self.cos, self.sin = parts.cos[:, None, :], parts.sin[:, None, :]  # [pos, 1, dim]
         self.max_tokens = max_tokens
         self.length = 0
+        self.native_blocks = native_blocks
+        # Per (threads, pinned): each block's arguments for one native call a step, or None (kernels choose per
+        # thread count, so the blocks that qualify may differ).
+        self._native_blocks: dict[tuple[int, bool], list[BlockArguments | None]] = {}
 
     def reset(self) -> None:
         self.length = 0
@@ -122,8 +130,13 @@ class LeanDecoder:
         self._check_room(end)
         cos, sin = self.cos[start:end, 0], self.sin[start:end, 0]  # [T, dim]
         x = self.parts.embed(ids)  # [T, hidden]
+        native_blocks = self.step_blocks() if count == 1 else None
         for index, block in enumerate(self.blocks):
             keys, values = self.keys[index, 0], self.values[index, 0]  # [kv_heads, max_tokens, dim], written in place
+            arguments = native_blocks[index] if native_blocks is not None else None
+            if arguments is not None:  # the lines below in one native call (runtime/native_block.py)
+                ops.decode_block(x, *arguments, cos, sin, keys, values, start, self.heads, self.scaling)
+                continue
             qkv = block.qkv(ops.rms_norm(x, block.attn_norm.weight, block.attn_norm.eps))
             q_norm, k_norm = block.qk_norm or (NO_NORM, NO_NORM)
             queries = ops.rope_store(qkv, cos, sin, keys, values, start, self.heads, q_norm.weight, k_norm.weight,
@@ -136,3 +149,13 @@ class LeanDecoder:
             x += block.down(ops.silu_mul(block.gate_up(ops.rms_norm(x, block.mlp_norm.weight, block.mlp_norm.eps))))
         self.length = end
         return x[-1:]
+
+    def step_blocks(self) -> list[BlockArguments | None] | None:
+        """Each block's `decode_block` arguments for a one-token step, or None for all when switched off or while
+        the profiler runs (its breakdown times the operators one by one)."""
+        if not self.native_blocks or torch.autograd._profiler_enabled():
+            return None
+        key = (torch.get_num_threads(), is_pinned())
+        if key not in self._native_blocks:
+            self._native_blocks[key] = [block_arguments(block) for block in self.blocks]
+        return self._native_blocks[key]

@@ -120,6 +120,16 @@ std::tuple<at::Tensor, at::Tensor> quant_gather(const std::vector<at::Tensor>& p
                                                 int64_t seq, int64_t length, const at::Tensor& cos_in,
                                                 const at::Tensor& sin_in, int64_t bits, int64_t sinks);
 
+// ==== one decode step of a block (decode_block.cpp) ====
+
+// x: [1, hidden] fp32 (updated in place), tensors: the norms and the four linears' codes, scales, zeros and biases
+// (runtime/native_block.py), group_sizes: [4], eps: [4], cos, sin: [1, dim], keys, values: [kv_heads, max, dim]
+// -> x
+at::Tensor decode_block(at::Tensor x, const std::vector<c10::optional<at::Tensor>>& tensors,
+                        const std::vector<int64_t>& group_sizes, const std::vector<double>& eps, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor keys, at::Tensor values, int64_t pos, int64_t heads,
+                        double scale);
+
 // ==== registration ====
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -151,4 +161,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4_levels", &dequantize_int4_levels);
   m.def("int4_levels_matmul", &int4_levels_matmul);
   m.def("hadamard_transform", &hadamard_transform);
+  m.def("decode_block", &decode_block);
 }
