@@ -15,8 +15,6 @@ process's AnonHugePages after the move says how much the kernel actually backed 
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,9 +22,9 @@ import torch
 
 from llmeasyquant import fuse_shared_inputs, load
 from llmeasyquant.nn.placement import place_on_huge_pages
-from llmeasyquant.record import Record, read_records, write_records
 from llmeasyquant.runtime.decoder import LeanDecoder
-from scale_speed import conditions, decode_speed, machine
+from same_process_ab import parse, parser, run_each, timed_rounds
+from scale_speed import decode_speed
 
 
 def anon_huge_bytes() -> int | None:
@@ -45,7 +43,7 @@ def loaded(checkpoint: Path) -> torch.nn.Module:
 
 
 def measure(checkpoint: Path, args: argparse.Namespace) -> dict:
-    models = {"4k": loaded(checkpoint), "2m": loaded(checkpoint)}
+    models = {"2m": loaded(checkpoint), "4k": loaded(checkpoint)}
     before = anon_huge_bytes()
     moved = place_on_huge_pages(models["2m"])
     backed = anon_huge_bytes()
@@ -54,61 +52,25 @@ def measure(checkpoint: Path, args: argparse.Namespace) -> dict:
     tokens = {k: LeanDecoder(m, args.prompt_tokens + 4).generate(prompt, 4) for k, m in models.items()}
     if not torch.equal(tokens["4k"], tokens["2m"]):
         raise SystemExit("the two copies decode different tokens: the move changed the weights")
-    order = random.Random(args.seed)
-    rounds = []
-    for index in range(args.rounds):
-        sides = list(models)
-        order.shuffle(sides)
-        round_ = {"round": index, "order": sides}
-        for side in sides:
-            decode_speed(models[side], prompt[:, :8], 3)
-            round_[side] = decode_speed(models[side], prompt, args.new_tokens)
-        round_["conditions"] = conditions()
-        rounds.append(round_)
-        print(f"{checkpoint.name} round {index}: 4 KiB {round_['4k']:.2f}, 2 MiB {round_['2m']:.2f} tok/s", flush=True)
-    medians = {side: statistics.median(r[side] for r in rounds) for side in models}
-    return {"tok_s_4k": medians["4k"], "tok_s_2m": medians["2m"], "speedup": medians["2m"] / medians["4k"],
-            "rounds_2m_faster": sum(r["2m"] > r["4k"] for r in rounds), "rounds": rounds,
-            "bytes_moved": moved, "anon_huge_bytes_before": before, "anon_huge_bytes_after": backed,
+
+    def timed(model: torch.nn.Module) -> float:
+        decode_speed(model, prompt[:, :8], 3)  # a warm-up
+        return decode_speed(model, prompt, args.new_tokens)
+
+    found = timed_rounds(checkpoint.name, {side: (lambda m=model: timed(m)) for side, model in models.items()},
+                         args.rounds, args.seed)
+    return {**found, "bytes_moved": moved, "anon_huge_bytes_before": before, "anon_huge_bytes_after": backed,
             "same_tokens": True}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoints", type=Path, nargs="+")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/huge_pages.json"))
-    args = parser.parse_args(argv)
-    if args.rounds < 1 or args.new_tokens < 2 or args.prompt_tokens < 8:
-        parser.error("need --rounds >= 1, --new-tokens >= 2 and --prompt-tokens >= 8")
-    before = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        run(args)
-    finally:
-        torch.set_num_threads(before)
-    return 0
-
-
-def run(args: argparse.Namespace) -> None:
-    protocol = {"batch": 1, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
-                "new_tokens": args.new_tokens, "rounds": args.rounds, "seed": args.seed,
-                "runtime": "lean (fused operators), q/k/v and gate/up fused", "machine": machine(),
+    args = parse(parser(__doc__, "benchmarks/results/huge_pages.json"), argv)
+    protocol = {"runtime": "lean (fused operators), q/k/v and gate/up fused",
                 "compared": "the same checkpoint loaded twice in one process, one copy moved onto 2 MiB pages; "
                             "both timed in every round, in a shuffled order"}
-    for checkpoint in args.checkpoints:
-        row = measure(checkpoint, args)
-        command = (f"python benchmarks/huge_pages.py {checkpoint.name} --rounds {args.rounds} --threads "
-                   f"{args.threads} --prompt-tokens {args.prompt_tokens} --new-tokens {args.new_tokens}")
-        records = read_records(args.out) if args.out.is_file() else []
-        write_records(args.out, [r for r in records if r.model != checkpoint.name]
-                      + [Record.new("huge_pages", checkpoint.name, row, protocol, command)])
-        print(f"{checkpoint.name}: 4 KiB pages {row['tok_s_4k']:.2f} tok/s, 2 MiB pages {row['tok_s_2m']:.2f} "
-              f"({row['speedup']:.3f}x; faster in {row['rounds_2m_faster']} of {args.rounds} rounds)", flush=True)
+    return run_each(args, "huge_pages.py", "huge_pages", protocol, measure,
+                    lambda row: f"4 KiB pages {row['tok_s_4k']:.2f} tok/s, 2 MiB pages {row['tok_s_2m']:.2f} "
+                                f"({row['speedup']:.3f}x)")
 
 
 if __name__ == "__main__":

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from tests.benchmark_helpers import load_benchmark
 
 import llmeasyquant as lq
 from llmeasyquant.infra.memory import huge_pages_available
 from llmeasyquant.record import read_records
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture
-def huge_pages(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it reads scale_speed's helpers, as when run as a script
-    spec = importlib.util.spec_from_file_location("huge_pages", ROOT / "benchmarks" / "huge_pages.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def huge_pages():
+    return load_benchmark("huge_pages")
 
 
 def test_both_copies_are_timed_every_round_and_recorded(huge_pages, tiny_llama, tmp_path):

@@ -5,7 +5,6 @@ The script reads the bundled SmolLM2 tokenizer, hence the slow marker.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -16,25 +15,18 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tests.benchmark_helpers import load_benchmark
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_synthetic.py"
 TINY_SHAPES = ("llama-tiny", "qwen3-moe-tiny", "mixtral-tiny")
 SHARD_GB = 0.004  # 4 MB: the tiny shapes split into several shards
 
 
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_synthetic", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def synth() -> ModuleType:
-    return _load_script()
+    return load_benchmark("make_synthetic")
 
 
 @pytest.fixture(scope="module")

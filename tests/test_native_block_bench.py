@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from tests.benchmark_helpers import load_benchmark
 
 import llmeasyquant as lq
 from llmeasyquant.kernels import native
 from llmeasyquant.record import read_records
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture
-def native_block(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it reads scale_speed's helpers, as when run as a script
-    spec = importlib.util.spec_from_file_location("native_block", ROOT / "benchmarks" / "native_block.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def native_block():
+    return load_benchmark("native_block")
 
 
 @pytest.mark.skipif(native.ops() is None, reason="needs the fused C++ operators")

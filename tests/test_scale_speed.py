@@ -5,37 +5,29 @@ The end-to-end run quantizes in child processes and reads the bundled SmolLM2 to
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from tests.benchmark_helpers import load_benchmark
 
 import llmeasyquant as lq
 from llmeasyquant.nn.qlinear import QuantLinear
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def speed() -> ModuleType:
-    return _load("scale_speed")
+    return load_benchmark("scale_speed")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _load("make_synthetic").generate("llama-tiny", tmp_path_factory.mktemp("synthetic") / "llama-tiny", seed=0)
+    synthetic = load_benchmark("make_synthetic")
+    return synthetic.generate("llama-tiny", tmp_path_factory.mktemp("synthetic") / "llama-tiny", seed=0)
 
 
 def test_bound_is_bandwidth_over_bytes(speed):

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
 import pytest
+from tests.benchmark_helpers import load_benchmark
 
 from llmeasyquant.kernels import native
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def paths():
-    spec = importlib.util.spec_from_file_location("w4a16_decode_paths", ROOT / "benchmarks" / "w4a16_decode_paths.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("w4a16_decode_paths")
 
 
 @pytest.mark.skipif(native.ops() is None, reason="the native operators are not built here")

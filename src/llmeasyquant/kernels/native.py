@@ -9,8 +9,9 @@ native/paged_ops.cpp (the serving engine's paged KV pool, float and SimQuant cod
 kernels/paged_reference.py is their PyTorch oracle),
 native/memory_probe.cpp (the streaming read that eval/bench.py's read bandwidth takes), native/exact_sum_ops.cpp
 (the cut-and-add of the exact sums behind GPTQ's Hessians), native/gptq_ops.cpp (GPTQ's column loop),
-native/bindings.cpp (the module's one registration block, every name Python calls), and native/common.h (what the
-operator files share: ATen's vector type, input checks, the thread-splitting helper).
+native/bindings.cpp (the module's one registration block, every name Python calls), native/operators.h (every
+exported operator's declaration and contract) and native/common.h (what the operator files share: ATen's vector
+type, input checks, the thread-splitting helper).
 
 PyTorch compiles the files with the machine's C++ compiler through `torch.utils.cpp_extension` (needs a compiler,
 Python's headers and the `ninja` package) and caches the build, so only the first process on a machine waits for it

@@ -1,6 +1,6 @@
 """A decode step's block as one native call (`decode_block`, kernels/native/decode_block.cpp) where its four linears
 all run W4A16's digits kernel: the operators of the lean loop's fused path, in its order, without the Python between
-them (some 5 ms of a 146 ms token on the 8B shape, docs/RESULTS.md). The same bits as the Python loop (tested).
+them (6.6 ms of a 142.5 ms token on the 8B shape, docs/RESULTS.md). The same bits as the Python loop (tested).
 
 `block_arguments(block)` gathers what the call reads; None where any linear is something else (another kernel
 chosen for one row, an input transform, hooks that must run, members not fused into one GEMM, activation

@@ -1,23 +1,13 @@
 // One decode step of one block in one call (runtime/decoder.py's lean loop takes it for a token when the block's
 // four linears all run W4A16's digits kernel). The loop's Python between the operators (module calls, kernel
-// dispatch, a dozen tensor views) cost some 5 ms of a 146 ms token at 8B, each step meeting caches that the
-// previous layer's weights had just streamed through; here the same operators run back to back in the order
-// decoder.py calls them, so the result is the Python loop's, bit for bit.
+// dispatch, a dozen tensor views), each step meeting caches that the previous layer's weights had just streamed
+// through, cost 6.6 ms of a 142.5 ms token at 8B (docs/RESULTS.md, "One native call a block"); here the same
+// operators run back to back in the order decoder.py calls them, so the result is the Python loop's, bit for bit.
 
 #include "common.h"
+#include "operators.h"
 
 #include <vector>
-
-// The operators this chains (decoder_ops.cpp, matmul_kernels.cpp; bindings.cpp has their contracts).
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps);
-at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor keys,
-                      at::Tensor values, int64_t pos, int64_t heads, const c10::optional<at::Tensor>& q_norm,
-                      const c10::optional<at::Tensor>& k_norm, double q_eps, double k_eps);
-at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, int64_t length,
-                            double scale);
-at::Tensor silu_mul(const at::Tensor& gate_up_in);
-at::Tensor int4_digits_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
-                              const c10::optional<at::Tensor>& zeros, int64_t group_size);
 
 namespace {
 

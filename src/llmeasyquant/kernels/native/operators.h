@@ -1,0 +1,132 @@
+// Every operator the extension exports, with its contract: bindings.cpp registers them by name for Python, and
+// decode_block.cpp chains some of them in C++. Each is defined in the file its section names.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+#include <vector>
+
+// ==== decoder operators (decoder_ops.cpp) ====
+
+// x: [..., width] fp32, weight: [width] fp32 -> [..., width] fp32
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps);
+// qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, keys, values: [kv_heads, max, dim] fp32
+// (written in place), q_norm, k_norm: [dim] fp32 or absent -> q: [rows, heads, dim] fp32
+at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor keys,
+                      at::Tensor values, int64_t pos, int64_t heads, const c10::optional<at::Tensor>& q_norm,
+                      const c10::optional<at::Tensor>& k_norm, double q_eps, double k_eps);
+// q: [heads, dim] or [1, heads, dim] fp32, keys, values: [kv_heads, max, dim] fp32 -> [1, heads * dim] fp32
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, int64_t length,
+                            double scale);
+// q: [rows, heads, dim] fp32, keys, values: [kv_heads, max, dim] fp32 -> [rows, heads * dim] fp32
+at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                            double scale);
+// wanted: bool -> bool (whether causal_attention now calls BLAS)
+bool use_blas(bool wanted);
+// gate_up: [rows, 2 * width] fp32 -> [rows, width] fp32
+at::Tensor silu_mul(const at::Tensor& gate_up_in);
+// x: [rows, in] fp32, qmax: the largest code (127 or 7) -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double min_scale, int64_t qmax);
+// acc: [rows, out] int32, row_scales: [rows, 1] fp32, column_scales: [out] fp32 -> [rows, out] fp32
+at::Tensor dequantize_rows(const at::Tensor& acc_in, const at::Tensor& row_scales_in,
+                           const at::Tensor& column_scales_in);
+
+// x: [rows, width] fp32, signs: [width] fp32, odd: [m, m] fp32 -> [rows, width] fp32 (x diag(signs) (H ⊗ odd) / sqrt(H's order))
+at::Tensor hadamard_transform(const at::Tensor& x_in, const at::Tensor& signs_in, const at::Tensor& odd_in);
+
+// ==== matmul kernels (matmul_kernels.cpp) ====
+
+// x: [rows, in] fp32, q: [out, in] int8, scales: [out] fp32 -> [rows, out] fp32
+at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in);
+// packed: [out, ceil(in / 2)] uint8, scales, zeros: [out, groups] fp32 (zeros absent: symmetric) -> [out, in] fp32
+at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                           int64_t in_features, int64_t group_size);
+// x: [rows, in] fp32, packed, scales, zeros as dequantize_int4 -> [rows, out] fp32
+// (bf16_dot: take the bf16 dot-product path where this build has it)
+at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, int64_t group_size, bool bf16_dot);
+bool bf16_dot_built();
+// x: [rows, in] fp32, packed, scales, zeros as dequantize_int4 -> [rows, out] fp32 (x as 16-bit fixed point)
+at::Tensor int4_digits_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, int64_t group_size);
+// packed, scales as dequantize_int4, levels: [16] or [out, 16] fp32 (a non-uniform grid) -> [out, in] fp32
+at::Tensor dequantize_int4_levels(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& levels_in,
+                                  int64_t in_features, int64_t group_size);
+// x: [rows, in] fp32, packed, scales, levels as dequantize_int4_levels -> [rows, out] fp32
+at::Tensor int4_levels_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                              const at::Tensor& levels_in, int64_t group_size);
+
+// qx: [rows, in] int8, x_scales: [rows, 1] fp32, tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16]
+// fp32, offsets: [groups, tiles * 16] int32 -> [rows, out] fp32; amx: 1 (the default) takes AMX's tiles for calls
+// large enough to gain, 0 never, 2 whenever this CPU has them (tests)
+at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& tiled,
+                            const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+                            int64_t out_features, int64_t amx);
+// Whether this CPU and OS run AMX's int8 tiles (w4a8_amx.cpp)
+bool amx_int8_usable();
+// qx: [rows, in] int8, x_scales: [rows, 1] fp32, q: [out, in] int8, w_scales: [out] fp32, w_sums: [out] int32
+// -> y: [rows, out] fp32
+at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& q_in,
+                            const at::Tensor& w_scales_in, const at::Tensor& w_sums_in);
+
+// ==== the read-bandwidth probe (memory_probe.cpp) ====
+
+// buffer: uint8 [n] -> the XOR of its 64-bit words over whole cache lines
+int64_t stream_xor(const at::Tensor& buffer);
+
+// ==== the exact sums' cut-and-add (exact_sum_ops.cpp) ====
+
+// term: fp32 [n], high_bin, low_bin: fp64 [n] (added to in place), high_unit, low_unit: powers of two
+void exact_cut_add(const at::Tensor& term_in, at::Tensor high_bin, at::Tensor low_bin, double high_unit,
+                   double low_unit);
+
+// ==== GPTQ's column loop (gptq_ops.cpp) ====
+
+// w: [rows, B] fp32 (in place), factor: [B, B] fp32, scales, zeros: [rows, B] fp32, codes, errors: [rows, B] fp32
+void gptq_block(at::Tensor w, const at::Tensor& factor_in, const at::Tensor& scales_in,
+                const c10::optional<at::Tensor>& zeros_in, at::Tensor codes, at::Tensor errors, double qmin_in,
+                double qmax_in);
+
+// ==== paged KV pool (paged_ops.cpp) ====
+
+// qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, key_pool, value_pool: [N, kv_heads, B,
+// dim] fp32 or fp16 (written in place), slots: [rows] int64, q_norm, k_norm: [dim] fp32 or absent
+// -> q: [rows, heads, dim] fp32
+at::Tensor paged_rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                            at::Tensor key_pool, at::Tensor value_pool, const at::Tensor& slots_in, int64_t heads,
+                            const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                            double q_eps, double k_eps);
+// q: [rows, heads, dim] fp32, key_pool, value_pool: [N, kv_heads, B, dim] fp32 or fp16, tables: [S, M] int32,
+// row_seq, lengths: [rows] int64 -> [rows, heads * dim] fp32
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                           const at::Tensor& tables_in, const at::Tensor& row_seq_in, const at::Tensor& lengths_in,
+                           double scale);
+// qkv, cos, sin as paged_rope_store, pool: the quantized pool's 11 tensors (written in place), slots, row_seq,
+// positions: [rows] int64 -> q: [rows, heads, dim] fp32
+at::Tensor quant_rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                            const std::vector<at::Tensor>& pool, const at::Tensor& slots_in,
+                            const at::Tensor& row_seq_in, const at::Tensor& positions_in, int64_t heads,
+                            const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                            double q_eps, double k_eps, int64_t bits, int64_t sinks);
+// q: [rows, heads, dim] fp32, pool: the 11 tensors, tables: [S, M] int32, row_seq, lengths: [rows] int64,
+// cos_table, sin_table: [max_positions, dim] fp32 -> [rows, heads * dim] fp32
+at::Tensor quant_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& pool, const at::Tensor& tables_in,
+                           const at::Tensor& row_seq_in, const at::Tensor& lengths_in, const at::Tensor& cos_in,
+                           const at::Tensor& sin_in, int64_t bits, int64_t sinks, double scale);
+// pool: the 11 tensors, table: [M] int32, cos_table, sin_table: [max_positions, dim] fp32
+// -> (keys, values): [kv_heads, length, dim] fp32
+std::tuple<at::Tensor, at::Tensor> quant_gather(const std::vector<at::Tensor>& pool, const at::Tensor& table_in,
+                                                int64_t seq, int64_t length, const at::Tensor& cos_in,
+                                                const at::Tensor& sin_in, int64_t bits, int64_t sinks);
+
+// ==== one decode step of a block (decode_block.cpp) ====
+
+// x: [1, hidden] fp32 (updated in place), tensors: the norms and the four linears' codes, scales, zeros and biases
+// (runtime/native_block.py), group_sizes: [4], eps: [4], cos, sin: [1, dim], keys, values: [kv_heads, max, dim]
+// -> x
+at::Tensor decode_block(at::Tensor x, const std::vector<c10::optional<at::Tensor>>& tensors,
+                        const std::vector<int64_t>& group_sizes, const std::vector<double>& eps, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor keys, at::Tensor values, int64_t pos, int64_t heads,
+                        double scale);
