@@ -9,7 +9,7 @@ from tests.runtime.test_decoder import family_model, prompt
 import llmeasyquant as lq
 from llmeasyquant import LeanDecoder
 from llmeasyquant.kernels import native
-from llmeasyquant.kernels.cpu import NativeInt4DigitsKernel
+from llmeasyquant.kernels.cpu import NativeInt4DigitsKernel, NativeInt8Int8Kernel, NativeInt8WeightOnlyKernel
 from llmeasyquant.runtime.native_block import block_arguments
 
 pytestmark = pytest.mark.skipif(native.ops() is None, reason="needs the fused C++ operators")
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(native.ops() is None, reason="needs the fused C+
 @pytest.fixture
 def digits_kernel(monkeypatch):
     """The tests pick kernels in registry order, where W4A16 decode runs `cpu_native_w4a16`; the measured choice
-    (bench, serve) takes the digits kernel, which the native block needs."""
+    (bench, serve) takes the digits kernel, which the native block runs."""
     monkeypatch.setenv("LLMEASYQUANT_KERNEL", NativeInt4DigitsKernel.name)
 
 
@@ -38,11 +38,17 @@ def step_logits(decoder: LeanDecoder, native: bool, steps: list[int]) -> torch.T
     return torch.stack(found)
 
 
-@pytest.mark.usefixtures("digits_kernel")
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a16-g32-asym", "w4a16"])
+# (scheme, kernel forced for every layer): each kind of decode_block
+KINDS = [("w4a16-g32", NativeInt4DigitsKernel.name), ("w4a16-g32-asym", NativeInt4DigitsKernel.name),
+         ("w4a16", NativeInt4DigitsKernel.name), ("w8a16", NativeInt8WeightOnlyKernel.name),
+         ("w8a8", NativeInt8Int8Kernel.name)]
+
+
+@pytest.mark.parametrize(("scheme", "kernel"), KINDS, ids=[scheme for scheme, _ in KINDS])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
-def test_one_call_a_block_gives_the_python_loops_bits(family, scheme):
+def test_one_call_a_block_gives_the_python_loops_bits(family, scheme, kernel, monkeypatch):
     # qwen2: biases on q, k, v; qwen3: a norm on each query and key head; phi3: q/k/v and gate/up fused as stored.
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", kernel)
     decoder = LeanDecoder(quantized(family, scheme), 32)
     native = step_logits(decoder, True, [9, 100, 42, 7])
     assert all(arguments is not None for arguments in decoder.step_blocks())
@@ -57,11 +63,15 @@ def test_blocks_that_do_not_qualify_step_on_the_python_loop():
     assert block_arguments(LeanDecoder(family_model("llama"), 8).blocks[0]) is None  # fp32 linears
 
 
-def test_other_kernels_and_schemes_do_not_qualify():
-    # Registry order: W4A16 decode on `cpu_native_w4a16`, W8A16 on its own kernel: neither is the digits kernel.
-    for scheme in ("w4a16-g32", "w8a16"):
-        decoder = LeanDecoder(quantized("llama", scheme), 8)
-        assert block_arguments(decoder.blocks[0]) is None
+def test_other_kernels_and_layers_do_not_qualify(monkeypatch):
+    # Registry order: W4A16 decode on `cpu_native_w4a16`, not the digits kernel.
+    assert block_arguments(LeanDecoder(quantized("llama", "w4a16-g32"), 8).blocks[0]) is None
+    # W8A16 with zero points: the native kernel's rank-1 term runs in Python.
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", NativeInt8WeightOnlyKernel.name)
+    assert block_arguments(LeanDecoder(quantized("llama", "w8a16-asym"), 8).blocks[0]) is None
+    # W8A8 whose activations are clipped before the kernel.
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", NativeInt8Int8Kernel.name)
+    assert block_arguments(LeanDecoder(quantized("llama", "w8a8-ac90"), 8).blocks[0]) is None
 
 
 @pytest.mark.usefixtures("digits_kernel")
@@ -76,4 +86,4 @@ def test_the_profiler_sees_each_operator_and_the_switch_turns_it_off():
 def test_a_wrong_argument_list_is_refused():
     x = torch.zeros(1, 8)
     with pytest.raises(RuntimeError, match="takes 20 tensors"):
-        native.ops().decode_block(x, [None] * 3, [32] * 4, [1e-5] * 4, x, x, x, x, 0, 1, 1.0)
+        native.ops().decode_block(x, [None] * 3, [0] * 4, [32] * 4, [1e-5] * 4, 1e-8, x, x, x, x, 0, 1, 1.0)

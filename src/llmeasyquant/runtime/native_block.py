@@ -1,10 +1,12 @@
-"""A decode step's block as one native call (`decode_block`, kernels/native/decode_block.cpp) where its four linears
-all run W4A16's digits kernel: the operators of the lean loop's fused path, in its order, without the Python between
-them (6.6 ms of a 142.5 ms token on the 8B shape, docs/RESULTS.md). The same bits as the Python loop (tested).
+"""A decode step's block as one native call (`decode_block`, kernels/native/decode_block.cpp) where each of its four
+linears runs, for one row, a kernel whose work is one or two native operators: W4A16's digits kernel, the native
+W8A16 kernel (symmetric weights) or the native W8A8 kernel. The operators of the lean loop's fused path run in its
+order without the Python between them (6.6 ms of a 142.5 ms token on the 8B shape in W4A16, docs/RESULTS.md), so
+the logits are the Python loop's bit for bit (tested).
 
 `block_arguments(block)` gathers what the call reads; None where any linear is something else (another kernel
-chosen for one row, an input transform, hooks that must run, members not fused into one GEMM, activation
-quantization): that block steps on the Python loop as before."""
+chosen for one row, an input transform, hooks that must run, members not fused into one GEMM, clipped activations
+or sink tokens): that block steps on the Python loop as before."""
 
 from __future__ import annotations
 
@@ -12,32 +14,50 @@ from collections.abc import Callable
 
 import torch
 
-from llmeasyquant.kernels.cpu import NativeInt4DigitsKernel
+from llmeasyquant.kernels.cpu import NativeInt4DigitsKernel, NativeInt8Int8Kernel, NativeInt8WeightOnlyKernel
 from llmeasyquant.nn.qlinear import QuantLinear
+from llmeasyquant.primitives import MIN_SCALE
 from llmeasyquant.runtime.model_parts import NO_NORM, Block
 
-BlockArguments = tuple[list[torch.Tensor | None], list[int], list[float]]
+# decode_block's kinds (its `Kind` enum): the kernel each stands for
+KINDS = {NativeInt4DigitsKernel.name: 0, NativeInt8WeightOnlyKernel.name: 1, NativeInt8Int8Kernel.name: 2}
+BlockArguments = tuple[list[torch.Tensor | None], list[int], list[int], list[float], float]
 
 
-def digits_layer(linear: Callable[[torch.Tensor], torch.Tensor]) -> QuantLinear | None:
-    """The QuantLinear behind a block's callable when calling it is exactly the digits kernel on one row (plus the
-    bias): its bound `forward`, nothing transforming the input, no activation quantization."""
+def linear_arguments(linear: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, list[torch.Tensor | None]] | None:
+    """(kind, [codes, scales, zeros or code sums, bias]) when calling the block's callable on one row is exactly one
+    of decode_block's kinds plus the bias: a QuantLinear's bound `forward` with nothing transforming its input."""
     layer = getattr(linear, "__self__", None)
     if (not isinstance(layer, QuantLinear) or getattr(linear, "__func__", None) is not QuantLinear.forward
-            or layer.input_transform is not None or layer.shared is not None or layer.scheme.act is not None):
+            or layer.input_transform is not None or layer.shared is not None):
         return None
-    return layer if layer.kernel(1).name == NativeInt4DigitsKernel.name else None
+    act = layer.scheme.act
+    if act is not None and (act.sinks or act.clip < 1.0):  # QuantLinear changes such inputs before the kernel
+        return None
+    kernel = layer.kernel(1)
+    kind = KINDS.get(kernel.name)
+    prepared = layer.prepared_for(kernel)
+    if kind == 0:
+        return kind, [layer.qweight, prepared["scales"], prepared["zeros"], layer.bias]
+    if kind == 1 and "zero_times_scale" not in prepared:
+        return kind, [layer.qweight, prepared["scale"], None, layer.bias]
+    if kind == 2:
+        return kind, [layer.qweight, prepared["scale"], prepared["w_sum"], layer.bias]
+    return None
 
 
 def block_arguments(block: Block) -> BlockArguments | None:
-    """(tensors, group sizes, epsilons) as `decode_block` takes them, or None where the block does not qualify."""
-    layers = [digits_layer(linear) for linear in (block.qkv, block.o, block.gate_up, block.down)]
-    if any(layer is None for layer in layers):
+    """(tensors, kinds, group sizes, epsilons, min_scale) as `decode_block` takes them, or None where the block does
+    not qualify."""
+    linears = [block.qkv, block.o, block.gate_up, block.down]
+    found = [linear_arguments(linear) for linear in linears]
+    if any(arguments is None for arguments in found):
         return None
     q_norm, k_norm = block.qk_norm or (NO_NORM, NO_NORM)
     tensors: list[torch.Tensor | None] = [block.attn_norm.weight, block.mlp_norm.weight, q_norm.weight, k_norm.weight]
-    for layer in layers:
-        prepared = layer.prepared_for(layer.kernel(1))
-        tensors += [layer.qweight, prepared["scales"], prepared["zeros"], layer.bias]
+    for _, parts in found:
+        tensors += parts
+    kinds = [kind for kind, _ in found]
+    group_sizes = [linear.__self__.group_size for linear in linears]
     epsilons = [block.attn_norm.eps, block.mlp_norm.eps, q_norm.eps, k_norm.eps]
-    return tensors, [layer.group_size for layer in layers], epsilons
+    return tensors, kinds, group_sizes, epsilons, MIN_SCALE
