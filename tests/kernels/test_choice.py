@@ -120,3 +120,25 @@ def test_pinned_choice_is_fixed_and_kept_apart(monkeypatch):
     assert not choice.is_pinned()
     assert weight_only.kernel(512).name == INT8PACK
     assert weight_only.chosen_kernels() == {512: INT8PACK}
+
+
+def test_one_row_credits_kernels_that_run_inside_a_native_block():
+    class Plain:
+        name = "plain"
+
+    class InBlock:
+        name = "in_block"
+        decode_block_kind = 0
+
+    times = {"plain": 1.0, "in_block": 1.04}
+    target = layer("w8a16")
+
+    def chosen(rows: int) -> str:
+        choice.forget_choices()
+        return choice.choose(target, [Plain(), InBlock()], rows, lambda layer_, kernel, x: times[kernel.name]).name
+
+    assert choice.ONE_CALL_CREDIT == 0.95
+    assert chosen(1) == "in_block"  # 4% slower alone: within the credit
+    assert chosen(16) == "plain"  # only decode's one row is credited
+    times["in_block"] = 1.06
+    assert chosen(1) == "plain"  # beyond it

@@ -110,6 +110,7 @@ class NativeInt8Int8Kernel(Int8DynamicActKernel):
     dynamic symmetric per-token activations, the common W8A8 scheme."""
 
     name = "cpu_native_w8a8"
+    decode_block_kind = 2  # runtime/native_block.py: the lean loop runs it inside one native call per block
     # Above this many rows the parent's torch._int_mm runs (3-4x faster at 512 rows, the same bits), so that timing
     # the candidates for a long prompt does not run this kernel where it never wins.
     DIRECT_ROWS = 16
@@ -168,6 +169,7 @@ class NativeInt8WeightOnlyKernel(Int8WeightOnlyKernel):
     fused operators build; the measured choice runs it where it is the fastest (decode, on the reference machine)."""
 
     name = "cpu_native_w8a16"
+    decode_block_kind = 1  # symmetric layers (runtime/native_block.py)
 
     def supports(self, layer) -> bool:
         return (layer.scheme.bits == 8 and layer.scheme.act is None and _per_row_weights(layer)
@@ -242,6 +244,7 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
     DIRECT_ROWS rows it is its parent: the dequantized fp32 weight and GEMM."""
 
     name = "cpu_native_w4a16_i16"
+    decode_block_kind = 0  # runtime/native_block.py
 
     def supports(self, layer) -> bool:
         group_ok = layer.group_size % 8 == 0 or layer.group_size >= layer.in_features

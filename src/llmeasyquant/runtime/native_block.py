@@ -14,13 +14,12 @@ from collections.abc import Callable
 
 import torch
 
-from llmeasyquant.kernels.cpu import NativeInt4DigitsKernel, NativeInt8Int8Kernel, NativeInt8WeightOnlyKernel
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.primitives import MIN_SCALE
 from llmeasyquant.runtime.model_parts import NO_NORM, Block
 
-# decode_block's kinds (its `Kind` enum): the kernel each stands for
-KINDS = {NativeInt4DigitsKernel.name: 0, NativeInt8WeightOnlyKernel.name: 1, NativeInt8Int8Kernel.name: 2}
+# decode_block's kinds (its `Kind` enum), which kernels/cpu.py's kernels name as `decode_block_kind`
+DIGITS, INT8_WEIGHT, INT8_INT8 = 0, 1, 2
 BlockArguments = tuple[list[torch.Tensor | None], list[int], list[int], list[float], float]
 
 
@@ -35,13 +34,13 @@ def linear_arguments(linear: Callable[[torch.Tensor], torch.Tensor]) -> tuple[in
     if act is not None and (act.sinks or act.clip < 1.0):  # QuantLinear changes such inputs before the kernel
         return None
     kernel = layer.kernel(1)
-    kind = KINDS.get(kernel.name)
+    kind = getattr(kernel, "decode_block_kind", None)
     prepared = layer.prepared_for(kernel)
-    if kind == 0:
+    if kind == DIGITS:
         return kind, [layer.qweight, prepared["scales"], prepared["zeros"], layer.bias]
-    if kind == 1 and "zero_times_scale" not in prepared:
+    if kind == INT8_WEIGHT and "zero_times_scale" not in prepared:
         return kind, [layer.qweight, prepared["scale"], None, layer.bias]
-    if kind == 2:
+    if kind == INT8_INT8:
         return kind, [layer.qweight, prepared["scale"], prepared["w_sum"], layer.bias]
     return None
 
