@@ -1,8 +1,8 @@
 """A decode step's block as one native call (`decode_block`, kernels/native/decode_block.cpp) where each of its four
 linears runs, for one row, a kernel whose work is one or two native operators: W4A16's digits kernel, the native
 W8A16 kernel (symmetric weights) or the native W8A8 kernel. The operators of the lean loop's fused path run in its
-order without the Python between them (6.6 ms of a 142.5 ms token on the 8B shape in W4A16, docs/RESULTS.md), so
-the logits are the Python loop's bit for bit (tested).
+order without the Python between them (4.6-6.6 ms of a 142-145 ms token on the 8B shape in W4A16,
+docs/RESULTS.md), so the logits are the Python loop's bit for bit (tested).
 
 `block_arguments(block)` gathers what the call reads; None where any linear is something else (another kernel
 chosen for one row, an input transform, hooks that must run, members not fused into one GEMM, clipped activations

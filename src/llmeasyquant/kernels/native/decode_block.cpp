@@ -1,8 +1,9 @@
 // One decode step of one block in one call (runtime/decoder.py's lean loop takes it for a token when each of the
-// block's four linears runs one of the kernels below for one row). The loop's Python between the operators (module calls, kernel
-// dispatch, a dozen tensor views), each step meeting caches that the previous layer's weights had just streamed
-// through, cost 6.6 ms of a 142.5 ms token at 8B (docs/RESULTS.md, "One native call a block"); here the same
-// operators run back to back in the order decoder.py calls them, so the result is the Python loop's, bit for bit.
+// block's four linears runs one of the kernels below for one row). The loop's Python between the operators (module
+// calls, kernel dispatch, a dozen tensor views), each step meeting caches that the previous layer's weights had just
+// streamed through, cost 4.6-6.6 ms of a 142-145 ms token at 8B (docs/RESULTS.md, "One native call a block"); here
+// the same operators run back to back in the order decoder.py calls them, so the result is the Python loop's, bit
+// for bit.
 
 #include "common.h"
 #include "operators.h"
