@@ -12,7 +12,8 @@ never fast.
 
 At one row (decode) a kernel that the lean loop can run inside its one native call per block (a kernel with a
 `decode_block_kind`: runtime/native_block.py) is credited ONE_CALL_CREDIT of its time: timed alone it pays the
-Python around each call, which that call takes off (2-5% of an 8B token, docs/RESULTS.md "One native call a block"),
+Python around each call, which that call takes off (2-7% of a token at 1B and 8B, docs/RESULTS.md "One native call a
+block"),
 and two near-equal kernels otherwise went either way from run to run (half the layers of one 8B W8A16 run on
 PyTorch's int8 operator, which then stepped on the Python loop).
 

@@ -300,9 +300,9 @@ class NativeInt4Int8Kernel:
     fused quantize_rows), 4-bit group-wise weights unpacked to bytes in registers, int32 sums per group (VNNI where
     the CPU has it) scaled in fp32: the reference kernel's integer product, exact per group (bit for bit with
     per-channel weights; with groups, the fp32 sum over groups may round differently). Groups must be multiples of 8
-    wide (or span the row). From 16 rows (a prompt) the operator runs on AMX's int8 tiles where the CPU and OS
-    allow (native/w4a8_amx.cpp: the same int32 sums and fp32 steps, so the same bits; 1.7-2x the VNNI loop on a
-    512-row GEMM of SmolLM2's shapes, docs/RESULTS.md "W4A8 prefill on AMX tiles")
+    wide (or span the row). Calls of 32 rows or more (a prompt) on 512 channels or more run on AMX's int8 tiles
+    where the CPU and OS allow (native/w4a8_amx.cpp: the same int32 sums and fp32 steps, so the same bits; 1.6-1.8x
+    the VNNI loop on a 512-row GEMM of SmolLM2's shapes, docs/RESULTS.md "W4A8 prefill on AMX tiles").
 
     Asymmetric activations (codes q_x with a zero point z_x per token): the kernel multiplies q_x as they are, and
     s_x Σ_k (q_x - z_x) Ŵ_k = kernel(q_x) - s_x z_x Σ_k Ŵ_k, with Σ_k Ŵ_k (each output channel's dequantized weight

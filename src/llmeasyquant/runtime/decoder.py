@@ -33,8 +33,9 @@ class LeanDecoder:
     `prefill(ids)` runs the prompt and returns the next token's logits; `step(token)` appends one token.
     `reset()` starts a new sequence in the same cache. `fused=False` runs on PyTorch operators only (as where the
     fused operators cannot be built or do not cover the model). With them, a step runs each block whose linears all
-    take W4A16's digits kernel as one native call (runtime/native_block.py; the same bits); `native_blocks=False`
-    (or setting the attribute) keeps every block on the Python loop, to measure what that call brings."""
+    take a kernel with a `decode_block_kind` (W4A16's digits kernel, the native W8A16 and W8A8 ones) as one native
+    call (runtime/native_block.py; the same bits); `native_blocks=False` (or setting the attribute) keeps every block
+    on the Python loop, to measure what that call brings."""
 
     def __init__(self, model: nn.Module, max_tokens: int, fused: bool = True, native_blocks: bool = True) -> None:
         parts = DecoderParts(model, max_tokens, fused)
@@ -152,7 +153,9 @@ class LeanDecoder:
 
     def step_blocks(self) -> list[BlockArguments | None] | None:
         """Each block's `decode_block` arguments for a one-token step, or None for all when switched off or while
-        the profiler runs (its breakdown times the operators one by one)."""
+        the profiler runs (its breakdown times the operators one by one). Gathered on the first step at a thread
+        count and kept: they hold the layers' prepared tensors, so weights are moved (nn/placement.py) before a
+        decoder is built, as every command does."""
         if not self.native_blocks or torch.autograd._profiler_enabled():
             return None
         key = (torch.get_num_threads(), is_pinned())

@@ -1,8 +1,8 @@
 // W4A8 for a prompt's many rows on AMX's int8 tiles (matmul_kernels.cpp's int4_int8_matmul calls it where the CPU
 // and the kernel allow; kernels/native.py builds it with the other files). A tile multiply-add (tdpbusd) makes
-// 16 x 16 x 64 products of unsigned by signed bytes in one instruction, so a 512-row W4A8 GEMM costs about what
-// PyTorch's int8 GEMM does instead of the VNNI loop's 4-9x that: one instruction a 64-byte vector of weights and 4
-// activations is what the VNNI loop spends.
+// 16 x 16 x 64 products of unsigned by signed bytes in one instruction, where the VNNI loop spends one instruction on
+// 16 x 4 and an unpack a block: a 512-row GEMM of SmolLM2's shapes takes 0.55-0.63 of the VNNI loop's time on the
+// Xeon of docs/RESULTS.md ("W4A8 prefill on AMX tiles").
 //
 // The operands, per group of weight columns (exact int32 sums per group, as the VNNI loop):
 //   A: the activations as unsigned bytes a = qx + 128, [16 rows, step] a tile;
@@ -209,8 +209,8 @@ bool int4_int8_matmul_amx(const Int4TiledWeights& w, const int8_t* qx, int64_t r
   for (int64_t first = 0; first < rows; first += chunk) {
     const int64_t stored = std::min(chunk, rows - first);
     const int64_t count = (stored + kAmxRows - 1) / kAmxRows * kAmxRows;
-    // qx + 128 as unsigned bytes (the XOR flips the sign bit); columns past the row and rows past the end read 128,
-    // which meets zero weights or is never stored.
+    // qx + 128 as unsigned bytes (the XOR flips the sign bit). Columns past the row and rows past the end read 128:
+    // their products are in each group's bias (past the stored blocks the weights are zero) or never stored.
     std::memset(a.data(), 0x80, count * kpad);
     for_rows(stored, kpad, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
