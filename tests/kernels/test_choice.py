@@ -130,6 +130,9 @@ def test_one_row_credits_kernels_that_run_inside_a_native_block():
         name = "in_block"
         decode_block_kind = 0
 
+        def in_decode_block(self, layer) -> bool:
+            return True
+
     times = {"plain": 1.0, "in_block": 1.04}
     target = layer("w8a16")
 

@@ -74,3 +74,9 @@ def test_offsets_past_a_signed_byte_stay_on_the_vnni_loop():
     y = OPS.int4_int8_matmul(qx, x_scales, tiled, scales, offsets, 64, 48, amx=2)
     expected = integer_oracle(codes, qx, x_scales, scales, offsets, span)
     assert float((y - expected).abs().max() / expected.abs().max()) <= 1e-6
+
+
+def test_an_unknown_amx_setting_is_refused():
+    _, qx, x_scales, tiled, scales, offsets, _ = operands(64, 16, 32, 32, 0)
+    with pytest.raises(RuntimeError, match="amx must be 0"):
+        OPS.int4_int8_matmul(qx, x_scales, tiled, scales, offsets, 32, 16, amx=3)

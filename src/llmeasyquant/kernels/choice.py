@@ -11,11 +11,10 @@ with quantized activations have no float candidate: their reference sums integer
 never fast.
 
 At one row (decode) a kernel that the lean loop can run inside its one native call per block (a kernel with a
-`decode_block_kind`: runtime/native_block.py) is credited ONE_CALL_CREDIT of its time: timed alone it pays the
-Python around each call, which that call takes off (2-7% of a token at 1B and 8B, docs/RESULTS.md "One native call a
-block"),
-and two near-equal kernels otherwise went either way from run to run (half the layers of one 8B W8A16 run on
-PyTorch's int8 operator, which then stepped on the Python loop).
+`decode_block_kind` whose `in_decode_block(layer)` holds: runtime/native_block.py) is credited ONE_CALL_CREDIT of
+its time: timed alone it pays the Python around each call, which that call takes off (2-7% of a token at 1B and
+8B, docs/RESULTS.md "One native call a block"), and two near-equal kernels otherwise went either way from run to
+run (half the layers of one 8B W8A16 run on PyTorch's int8 operator, which then stepped on the Python loop).
 
 `LLMEASYQUANT_KERNEL_CHOICE=first` turns the measurement off: the first supporting kernel in the registry's order,
 for every row count (reproducible across machines; the tests use it).
@@ -103,7 +102,8 @@ def choose(layer, candidates: list[Any], rows: int, timer: Timer | None = None) 
         x = torch.randn(bucket, layer.in_features, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             times = {k.name: timer(layer, k, x.to(layer.qweight.device)) for k in candidates}
-        credited = {k.name for k in candidates if bucket == 1 and getattr(k, "decode_block_kind", None) is not None}
+        credited = {k.name for k in candidates
+                    if bucket == 1 and getattr(k, "decode_block_kind", None) is not None and k.in_decode_block(layer)}
         _CHOSEN[key] = min(times, key=lambda name: times[name] * (ONE_CALL_CREDIT if name in credited else 1.0))
         log.info("kernel for %s %dx%d at %d rows: %s (%s)", layer.scheme.name, layer.in_features,
                  layer.out_features, bucket, _CHOSEN[key],

@@ -121,6 +121,13 @@ class NativeInt8Int8Kernel(Int8DynamicActKernel):
 
     # prepare() is the parent's: each channel's scale and code sum are what this kernel reads too.
 
+    def in_decode_block(self, layer) -> bool:
+        return True
+
+    def decode_block_tensors(self, layer, prepared: dict) -> list[torch.Tensor | None]:
+        """What native decode_block reads to run this kernel (its kind 2): codes, scales, code sums."""
+        return [layer.qweight, prepared["scale"], prepared["w_sum"]]
+
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         if x.shape[0] > self.DIRECT_ROWS:
             return super().run(layer, x, prepared)
@@ -169,7 +176,7 @@ class NativeInt8WeightOnlyKernel(Int8WeightOnlyKernel):
     fused operators build; the measured choice runs it where it is the fastest (decode, on the reference machine)."""
 
     name = "cpu_native_w8a16"
-    decode_block_kind = 1  # symmetric layers (runtime/native_block.py)
+    decode_block_kind = 1  # runtime/native_block.py, symmetric layers
 
     def supports(self, layer) -> bool:
         return (layer.scheme.bits == 8 and layer.scheme.act is None and _per_row_weights(layer)
@@ -179,6 +186,13 @@ class NativeInt8WeightOnlyKernel(Int8WeightOnlyKernel):
         with scope(NATIVE_GEMM):  # built(): a layer that chose this kernel keeps it if the switch is turned off later
             y = native.built().int8_weight_matmul(x, layer.qweight, prepared["scale"])
         return self._minus_zero_term(y, x, prepared)
+
+    def in_decode_block(self, layer) -> bool:
+        return layer.zeros is None  # the zero points' rank-1 term is PyTorch operators after the matmul
+
+    def decode_block_tensors(self, layer, prepared: dict) -> list[torch.Tensor | None]:
+        """What native decode_block reads to run this kernel (its kind 1): codes, scales."""
+        return [layer.qweight, prepared["scale"], None]
 
 
 class NativeInt4WeightOnlyKernel:
@@ -268,6 +282,13 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
         with scope(NATIVE_GEMM):
             return native.built().int4_digits_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"],
                                                      layer.group_size)
+
+    def in_decode_block(self, layer) -> bool:
+        return True
+
+    def decode_block_tensors(self, layer, prepared: dict) -> list[torch.Tensor | None]:
+        """What native decode_block reads to run this kernel (its kind 0): codes, scales, zeros."""
+        return [layer.qweight, prepared["scales"], prepared["zeros"]]
 
 
 def _grid_levels(layer) -> torch.Tensor | None:

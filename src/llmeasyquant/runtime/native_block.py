@@ -18,8 +18,6 @@ from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.primitives import MIN_SCALE
 from llmeasyquant.runtime.model_parts import NO_NORM, Block
 
-# decode_block's kinds (its `Kind` enum), which kernels/cpu.py's kernels name as `decode_block_kind`
-DIGITS, INT8_WEIGHT, INT8_INT8 = 0, 1, 2
 BlockArguments = tuple[list[torch.Tensor | None], list[int], list[int], list[float], float]
 
 
@@ -34,15 +32,9 @@ def linear_arguments(linear: Callable[[torch.Tensor], torch.Tensor]) -> tuple[in
     if act is not None and (act.sinks or act.clip < 1.0):  # QuantLinear changes such inputs before the kernel
         return None
     kernel = layer.kernel(1)
-    kind = getattr(kernel, "decode_block_kind", None)
-    prepared = layer.prepared_for(kernel)
-    if kind == DIGITS:
-        return kind, [layer.qweight, prepared["scales"], prepared["zeros"], layer.bias]
-    if kind == INT8_WEIGHT and "zero_times_scale" not in prepared:
-        return kind, [layer.qweight, prepared["scale"], None, layer.bias]
-    if kind == INT8_INT8:
-        return kind, [layer.qweight, prepared["scale"], prepared["w_sum"], layer.bias]
-    return None
+    if getattr(kernel, "decode_block_kind", None) is None or not kernel.in_decode_block(layer):
+        return None
+    return kernel.decode_block_kind, [*kernel.decode_block_tensors(layer, layer.prepared_for(kernel)), layer.bias]
 
 
 def block_arguments(block: Block) -> BlockArguments | None:

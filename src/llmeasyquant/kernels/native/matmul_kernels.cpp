@@ -712,6 +712,7 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
   TORCH_CHECK(group_size > 0 && (group_size % 8 == 0 || group_size >= width),
               "group size must be a multiple of 8 or cover the row, got ", group_size);
   TORCH_CHECK(out_features > 0 && out_features <= tiles * 16, "out_features must fit the tiles");
+  TORCH_CHECK(amx >= 0 && amx <= 2, "amx must be 0 (never), 1 (large calls) or 2 (always), got ", amx);
   const int64_t span = group_size >= width ? blocks * 8 : group_size, groups = (blocks * 8 + span - 1) / span;
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == tiles * 16 &&
                   offsets.sizes() == scales.sizes(),
