@@ -234,6 +234,22 @@ def test_eval_a_plain_model_with_an_online_kv_cache(capsys, llama_folder: Path, 
     assert code == 0 and "KV cache k8v8-s2\n" in stdout
 
 
+def test_eval_with_compact_kv_side_information(capsys, llama_folder: Path, wiki_text: Path, calib_text: Path,
+                                               tmp_path: Path) -> None:
+    options = ["--kv-bits", "3", "--kv-key-block", "8", "--kv-key-channels", "8", "--kv-outliers", "0.1"]
+    records = {}
+    for name, extra in (("plain", []), ("compact", ["--kv-compact"])):
+        code, _, _ = run(capsys, "eval", llama_folder, "--text", wiki_text, *EVAL_ARGS, *options, *extra,
+                         "--calib", calib_text, *KV_CALIB, "--json", tmp_path / f"{name}.json")
+        assert code == 0
+        records[name] = read_records(tmp_path / f"{name}.json")[0]
+    assert records["compact"].metric("kv_cache") == "k3v3-o0.1-s8-c8-b8-compact"
+    assert records["plain"].metric("ppl") != records["compact"].metric("ppl")
+    code, _, err = run(capsys, "eval", llama_folder, "--text", wiki_text, *EVAL_ARGS, "--kv-bits", "3",
+                       "--kv-key-block", "0", "--kv-compact")
+    assert_one_line_error(code, err, "--kv-key-block", "--kv-compact")
+
+
 def test_compare_with_a_kv_cache(capsys, llama_folder: Path, wiki_text: Path, calib_text: Path,
                                  tmp_path: Path) -> None:
     record_path = tmp_path / "c.json"

@@ -125,6 +125,15 @@ def test_four_bit_pool_holds_three_times_the_fp16_sequences():
     assert coded.capacity(1024) >= 3 * fp16.capacity(1024) > 0
 
 
+def test_the_pool_keeps_its_own_layout_for_compact_or_kept_channel_options():
+    shape = Shape(layers=2, kv_heads=3, head_dim=64, heads=9)
+    table = torch.zeros(256, 64)
+    plain = QuantPool(shape, 2**20, 4, 256, KVQuantConfig(3, 3, key_block=16), table, table)
+    offline = KVQuantConfig(3, 3, key_block=16, key_channels=8, compact=True)
+    pool = QuantPool(shape, 2**20, 4, 256, offline, table, table)
+    assert pool.kind == plain.kind and pool.block_bytes == plain.block_bytes
+
+
 def test_pool_gives_blocks_back():
     pool = FloatPool(Shape(2, 2, 16, 4), 2**20, 4, 256, "float32")
     free = pool.num_blocks

@@ -106,6 +106,10 @@ def add_kv_options(p: argparse.ArgumentParser) -> None:
                    help="per head, the most sensitive key channels (calibrated) kept in fp16 (default 0; 2 at 3 bits)")
     p.add_argument("--kv-levels", choices=("uniform", "nf"), default="uniform",
                    help="uniform levels, or NF-style levels at normal quantiles (default uniform)")
+    p.add_argument("--kv-compact", action="store_true",
+                   help="side information in fewer bytes: key block ends in 6 bits, the key channels of "
+                   "--kv-key-channels in 8-bit codes, value outliers in 8 bits, value ranges searched (needs key "
+                   "blocks; docs/methods.md)")
 
 
 def add_calibration_options(p: argparse.ArgumentParser) -> None:

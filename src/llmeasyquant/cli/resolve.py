@@ -77,7 +77,7 @@ def build_simquant(args: argparse.Namespace):
 
     config = KVQuantConfig(key_bits=args.kv_bits, value_bits=args.kv_bits, outliers=args.kv_outliers,
                            sinks=args.kv_sinks, key_channels=args.kv_key_channels, levels=args.kv_levels,
-                           key_block=args.kv_key_block)
+                           key_block=args.kv_key_block, compact=args.kv_compact)
     if args.calib is None:
         log.info("no --calib text: the KV cache tracks key ranges online")
     return SimQuant(config)

@@ -192,6 +192,9 @@ class Engine:
         if kv.key_channels:
             log.info("the serving KV pool codes keys on each block's own range; the %d calibrated fp16 key "
                      "channels of the offline cache are not kept", kv.key_channels)
+        if kv.compact:
+            log.info("the serving KV pool stores its side information in its own layout; the offline cache's "
+                     "compact side information is not used")
         return QuantPool(shape, budget, self.config.max_running, self.max_context, kv, parts.cos, parts.sin)
 
     def _kv_config(self):

@@ -173,7 +173,8 @@ class QuantPool(KVPool):
     def __init__(self, shape: Shape, budget_bytes: int, max_running: int, max_context: int, config: KVQuantConfig,
                  cos: torch.Tensor, sin: torch.Tensor) -> None:
         check_servable(config)
-        config = dataclasses.replace(config, key_channels=0)  # calibrated fp16 key channels are not kept here
+        # Its own layout: calibrated fp16 key channels are not kept, side information not compacted.
+        config = dataclasses.replace(config, key_channels=0, compact=False)
         if config.key_bits != config.value_bits:
             raise ConfigError("the serving KV pool codes keys and values with the same bits; give one --kv-bits")
         self.config, self.bits, self.sinks = config, config.key_bits, config.sinks

@@ -8,6 +8,8 @@
 - Values per token, with a dynamic range per (token, head).
 - Dense-and-sparse: the `outliers` share of each head vector that lies furthest out is kept apart in fp16 with
   its index; the dense rest is quantized on the tighter range.
+- Compact side information (`compact`): the same, in fewer bytes: block range ends in 6 bits, kept key channels in
+  8-bit codes, value outliers in int8 steps, and each value vector's range searched among clipped ones.
 - Attention sinks: the first `sinks` tokens are kept unquantized, in 16 bits (the model's dtype when it has 16 bits,
   fp16 otherwise: the precision of the fp16 cache the quantized one is measured against).
 

@@ -33,7 +33,11 @@ class KVQuantConfig:
     """How the cache quantizes. Options left at None take their default for the bit width (BIT_DEFAULTS).
     `outliers` is the share of each head vector kept apart in fp16 (0 for none);
     `key_axis` 'token' and `pre_rope` False exist for ablations; `momentum` and `segment` drive online key ranges
-    (one snapshot of the tracked range per `segment` tokens)."""
+    (one snapshot of the tracked range per `segment` tokens). `compact` stores the side information in fewer bytes
+    (needs key blocks; the parts that need calibrated key ranges apply where they are calibrated): block range ends
+    in 6 bits, the kept key channels in 8-bit codes apart from the low-bit ones (instead of fp16 beside them), value
+    outliers in int8 steps of their token's grid (instead of fp16), and each value vector's range searched among
+    clipped ones (key_blocks.py and coding.py say how)."""
 
     key_bits: int = 4
     value_bits: int = 4
@@ -48,6 +52,7 @@ class KVQuantConfig:
     levels: str = "uniform"
     momentum: float = 0.99
     segment: int = 128
+    compact: bool = False
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -74,6 +79,10 @@ class KVQuantConfig:
         if isinstance(self.key_block, bool) or not isinstance(self.key_block, int) or self.key_block < 0:
             raise ConfigError(f"key_block must be a position count of 0 or more (0 codes each key on arrival), "
                               f"got {self.key_block!r}")
+        if self.compact and not self.key_blocks:
+            raise ConfigError("compact KV side information codes keys per channel in blocks of positions; give a "
+                              "positive key_block (--kv-key-block) with key_axis 'channel', or leave compact "
+                              "(--kv-compact) off")
         if self.segment <= 0:
             raise ConfigError(f"the key-range segment must be a positive token count, got {self.segment}")
 
@@ -97,7 +106,7 @@ class KVQuantConfig:
                   "" if self.key_axis == "channel" else "ktoken", "" if self.pre_rope else "postrope",
                   "" if self.levels == "uniform" else self.levels,
                   f"c{self.key_channels}" if self.key_channels else "",
-                  f"b{self.key_block}" if self.key_blocks else ""]
+                  f"b{self.key_block}" if self.key_blocks else "", "compact" if self.compact else ""]
         return "-".join([bits, *filter(None, extras)])
 
     def to_dict(self) -> dict:

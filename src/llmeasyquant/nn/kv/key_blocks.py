@@ -10,6 +10,13 @@ code the same blocks the same way), then codes each channel on the range of that
   dense rest is stored as two 8-bit fractions of the calibrated range (lo rounded down, hi up): 0.5 bit per key at
   32 positions instead of 1 bit for fp16 ends;
 - without calibration (online) the block's own min and max are stored in fp16, and nothing is left outside.
+
+Compact side information (`KVQuantConfig.compact`, calibrated ranges only) stores the same blocks in fewer bytes:
+the range ends in `COMPACT_RANGE_BITS` bits (packed as codes are), rounded to the nearest level (with 63 levels
+instead of 255, rounding outwards would widen every block's step by up to a level at each end, for the sake of the
+few extreme values that rounding in clamps by less than half a level), and the kept channels coded at 8 bits on
+their block's range and left out of the low-bit codes instead of fp16 beside them (their values beyond the
+calibrated range join the sparse part like any other channel's).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import torch
 from llmeasyquant.primitives import MIN_SCALE, pack_bits, range_dequantize, range_quantize, unpack_bits
 
 RANGE_CODE_LEVELS = 255  # a block's range ends are stored as uint8 fractions of the calibrated range
+COMPACT_RANGE_BITS = 6  # ... or, with compact side information, in this many bits, packed
+KEPT_BITS = 8  # compact: the kept channels' codes on their block's range
 
 
 @dataclass
@@ -57,15 +66,19 @@ class KeyBlocks:
     `reference` is the calibrated (lo, hi) per [heads, dim], or None for ranges measured per block (online);
     `sparse` keeps the values beyond it apart (otherwise they are clamped to it).
     `first_position` is the position of the first key given (the sink count), so blocks align to positions.
-    `kept` ([1, heads, 1, n] channel indices) are channels stored in fp16 for every token.
+    `kept` ([1, heads, 1, n] channel indices) are channels stored in fp16 for every token, or with `compact`
+    (calibrated ranges only) in 8-bit codes apart from the low-bit ones, with the range ends in fewer bits.
     """
 
     def __init__(self, bits: int, size: int, first_position: int, levels: torch.Tensor | None = None,
                  reference: tuple[torch.Tensor, torch.Tensor] | None = None, kept: torch.Tensor | None = None,
-                 sparse: bool = True):
+                 sparse: bool = True, compact: bool = False):
         self.bits, self.size, self.first_position, self.levels = bits, size, first_position, levels
         self.reference = None if reference is None else (reference[0][:, None, :], reference[1][:, None, :])
         self.kept, self.sparse = kept, sparse
+        self.compact = compact and reference is not None
+        self.range_levels = 2**COMPACT_RANGE_BITS - 1 if self.compact else RANGE_CODE_LEVELS
+        self.coded_apart = self.compact and kept is not None  # kept channels in 8-bit codes of their own
         self.stored = TokenStore()  # codes, block range ends, kept channels
         # Token-major flat positions, ((t * batch + b) * heads + h) * dim + d, which appending tokens leaves valid.
         self.outlier_position = torch.empty(0, dtype=torch.int32)
@@ -98,15 +111,21 @@ class KeyBlocks:
         if self.reference is not None and self.sparse:
             ref_lo, ref_hi = (r[:, None] for r in self.reference)  # [heads, 1, 1, dim]
             outside = (blocks < ref_lo) | (blocks > ref_hi)
-            if self.kept is not None:  # stored exactly already
+            if self.kept is not None and not self.coded_apart:  # stored exactly already
                 outside &= ~self._kept_mask(blocks)
         lo = torch.where(outside, torch.inf, blocks).amin(dim=-2, keepdim=True)
         hi = torch.where(outside, -torch.inf, blocks).amax(dim=-2, keepdim=True)
         parts, lo, scale = self._store_range(lo, hi)
         codes = range_quantize(blocks, lo, scale, self.bits, self.levels).reshape(batch, heads, tokens, dim)
-        parts["codes"] = pack_bits(codes, self.bits)
-        if self.kept is not None:
-            parts["kept"] = keys.gather(-1, kept_index(self.kept, keys)).half()
+        if self.coded_apart:
+            parts["codes"] = pack_bits(codes.gather(-1, kept_index(self._rest(dim), codes)), self.bits)
+            index = self.kept.unsqueeze(-2).expand(batch, heads, blocks.shape[2], width, -1)
+            ends = (lo.gather(-1, index[..., :1, :]), self._kept_step(scale.gather(-1, index[..., :1, :])))
+            parts["kept"] = range_quantize(blocks.gather(-1, index), *ends, KEPT_BITS).reshape(batch, heads, tokens, -1)
+        else:
+            parts["codes"] = pack_bits(codes, self.bits)
+            if self.kept is not None:
+                parts["kept"] = keys.gather(-1, kept_index(self.kept, keys)).half()
         self.stored.append(**parts)
         if bool(outside.any()):
             self._add_outliers(outside.reshape(keys.shape), keys)
@@ -122,24 +141,32 @@ class KeyBlocks:
         else:
             ref_lo, fraction = self._fraction()
             empty = lo > hi  # every value of the channel lies outside the calibrated range
-            lo_code = ((lo - ref_lo[:, None]) / fraction[:, None]).floor().clamp(0, RANGE_CODE_LEVELS)
-            hi_code = ((hi - ref_lo[:, None]) / fraction[:, None]).ceil().clamp(0, RANGE_CODE_LEVELS)
+            lo_code, hi_code = (lo - ref_lo[:, None]) / fraction[:, None], (hi - ref_lo[:, None]) / fraction[:, None]
+            outwards = not self.compact  # the module docstring says why compact ends round to the nearest level
+            lo_code = (lo_code.floor() if outwards else lo_code.round()).clamp(0, self.range_levels)
+            hi_code = (hi_code.ceil() if outwards else hi_code.round()).clamp(0, self.range_levels)
             hi_code = torch.where(empty, lo_code, hi_code)
-            parts = {"range_lo": lo_code.to(torch.uint8).squeeze(-2), "range_hi": hi_code.to(torch.uint8).squeeze(-2)}
+            parts = {name: code.to(torch.uint8).squeeze(-2) for name, code in (("range_lo", lo_code),
+                                                                                ("range_hi", hi_code))}
+            if self.compact:
+                parts = {name: pack_bits(code, COMPACT_RANGE_BITS) for name, code in parts.items()}
         lo, scale = self._decode_range(parts)
         return parts, lo[..., None, :], scale[..., None, :]
 
     def _fraction(self) -> tuple[torch.Tensor, torch.Tensor]:
         ref_lo, ref_hi = self.reference
-        return ref_lo, (ref_hi - ref_lo) / RANGE_CODE_LEVELS
+        return ref_lo, (ref_hi - ref_lo) / self.range_levels
 
     def _decode_range(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, scale) [batch, heads, blocks, dim] in fp32 from what is stored."""
         if self.reference is None:
             return parts["range_lo"].float(), parts["range_scale"].float()
         ref_lo, fraction = self._fraction()
-        lo = ref_lo + parts["range_lo"].float() * fraction
-        hi = ref_lo + parts["range_hi"].float() * fraction
+        lo_code, hi_code = parts["range_lo"], parts["range_hi"]
+        if self.compact:
+            lo_code, hi_code = (unpack_bits(code, COMPACT_RANGE_BITS, self.dim) for code in (lo_code, hi_code))
+        lo = ref_lo + lo_code.float() * fraction
+        hi = ref_lo + hi_code.float() * fraction
         return lo, ((hi - lo) / (2**self.bits - 1)).clamp(min=MIN_SCALE)
 
     def _add_outliers(self, outside: torch.Tensor, keys: torch.Tensor) -> None:
@@ -150,6 +177,16 @@ class KeyBlocks:
         position = _positions(position)
         self.outlier_position = torch.cat((self.outlier_position.to(keys.device, position.dtype), position))
         self.outlier_values = torch.cat((self.outlier_values.to(keys.device), keys[b, h, t, d].half()))
+
+    def _kept_step(self, scale: torch.Tensor) -> torch.Tensor:
+        """The step of the kept channels' 8-bit codes on a block range whose low-bit step is `scale`."""
+        return scale * ((2**self.bits - 1) / (2**KEPT_BITS - 1))
+
+    def _rest(self, dim: int) -> torch.Tensor:
+        """The channels in the low-bit codes when the kept ones are coded apart: [1, heads, 1, dim - n], ascending."""
+        mask = torch.ones(self.kept.shape[1], dim, dtype=torch.bool, device=self.kept.device)
+        mask.scatter_(-1, self.kept[0, :, 0], False)
+        return mask.nonzero()[:, 1].reshape(1, self.kept.shape[1], 1, -1)
 
     def _kept_mask(self, x: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(x.shape[1], x.shape[-1], dtype=torch.bool, device=x.device)
@@ -167,26 +204,44 @@ class KeyBlocks:
     @torch.no_grad()  # decoded from integer codes: nothing to differentiate, and `out=` refuses autograd
     def _decode(self, x: torch.Tensor) -> None:
         tensors = self.stored.tensors
-        codes = unpack_bits(tensors["codes"], self.bits, self.dim)
-        batch, heads, tokens, dim = codes.shape
         lo, scale = self._decode_range(tensors)  # [batch, heads, blocks, dim]
-        # Decoded in place block by block (a view splitting tokens into blocks), not with ranges gathered per token.
-        head = min(-self.first_position % self.size, tokens)  # the short first block, if any
-        if head:
-            x[..., :head, :] = range_dequantize(codes[..., :head, :], lo[..., :1, :], scale[..., :1, :], self.bits,
-                                                self.levels)
-        whole = x[..., head:, :].unflatten(-2, (-1, self.size))
-        first = 1 if head else 0
-        range_dequantize(codes[..., head:, :].unflatten(-2, (-1, self.size)), lo[..., first:, None, :],
-                         scale[..., first:, None, :], self.bits, self.levels, out=whole)
-        if self.outlier_position.numel():
+        if self.coded_apart:
+            rest = self._rest(self.dim)
+            part = unpack_bits(tensors["codes"], self.bits, rest.shape[-1])
+            codes = torch.zeros(*part.shape[:-1], self.dim, dtype=torch.uint8, device=part.device)
+            codes.scatter_(-1, kept_index(rest, codes), part)
+        else:
+            codes = unpack_bits(tensors["codes"], self.bits, self.dim)
+        self._decode_blocks(codes, lo, scale, self.bits, self.levels, x)
+        if self.kept is not None:
+            kept = tensors["kept"]
+            if self.coded_apart:
+                index = self.kept.expand(*lo.shape[:-1], -1)
+                decoded = torch.empty(kept.shape, device=x.device)
+                self._decode_blocks(kept, lo.gather(-1, index), self._kept_step(scale.gather(-1, index)), KEPT_BITS,
+                                    None, decoded)
+                kept = decoded
+            x.scatter_(-1, kept_index(self.kept, x), kept.float())
+        if self.outlier_position.numel():  # after the kept channels: with compact they have sparse values too
+            batch, heads, _, dim = x.shape
             position = self.outlier_position.long()
             rest, d = position.div(dim, rounding_mode="floor"), position % dim
             rest, h = rest.div(heads, rounding_mode="floor"), rest % heads
             t, b = rest.div(batch, rounding_mode="floor"), rest % batch
             x.index_put_((b, h, t, d), self.outlier_values.float())
-        if self.kept is not None:
-            x.scatter_(-1, kept_index(self.kept, x), tensors["kept"].float())
+
+    def _decode_blocks(self, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
+                       levels: torch.Tensor | None, x: torch.Tensor) -> None:
+        """Decode codes [batch, heads, tokens, n] on their blocks' (lo, scale) [batch, heads, blocks, n] into x, in
+        place block by block (a view splitting tokens into blocks), not with ranges gathered per token."""
+        tokens = codes.shape[-2]
+        head = min(-self.first_position % self.size, tokens)  # the short first block, if any
+        if head:
+            x[..., :head, :] = range_dequantize(codes[..., :head, :], lo[..., :1, :], scale[..., :1, :], bits, levels)
+        whole = x[..., head:, :].unflatten(-2, (-1, self.size))
+        first = 1 if head else 0
+        range_dequantize(codes[..., head:, :].unflatten(-2, (-1, self.size)), lo[..., first:, None, :],
+                         scale[..., first:, None, :], bits, levels, out=whole)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by part: codes, scales (the block ranges), outliers, kept_channels, residual."""

@@ -73,7 +73,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                                                                   for r in self.key_range[:2])
             self.key_blocks = KeyBlocks(self.config.key_bits, self.config.key_block, self.config.sinks,
                                         self.levels[self.config.key_bits], reference, self.kept,
-                                        sparse=self.config.outliers > 0)
+                                        sparse=self.config.outliers > 0, compact=self.config.compact)
             self.segments = []
         self.is_initialized = True
 
@@ -152,7 +152,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def _store_tokens(self, store: TokenStore, x: torch.Tensor, bits: int) -> None:
         """Per-token (per head vector) dynamic range, after setting the outliers apart."""
-        store.append(**code_per_token(x, bits, self.levels[bits], self.config.outlier_count(x.shape[-1])))
+        store.append(**code_per_token(x, bits, self.levels[bits], self.config.outlier_count(x.shape[-1]),
+                                      self.config.compact))
 
     # reading back --------------------------------------------------------------------------------------------
     def _dequantize(self, store: TokenStore, bits: int, segments: list[Segment] | None, x: torch.Tensor) -> None:
