@@ -50,6 +50,7 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     # value ranges searched): the bytes saved buy more outliers and kept channels in no more memory
     "k3-b8-c4-o5-compact": (THREE | {"key_block": 8, "outliers": 0.078, "key_channels": 4, "compact": True}, True),
     "k3-b16-c8-o6-compact": (THREE | {"key_block": 16, "outliers": 0.094, "key_channels": 8, "compact": True}, True),
+    "k4-compact": ({"compact": True}, True),
     "k2-b8-c8-o8-compact": ({"key_bits": 2, "value_bits": 2, "key_block": 8, "outliers": 0.125, "key_channels": 8,
                              "compact": True}, True),
     "k4-c2": ({"key_channels": 2}, True),
