@@ -79,6 +79,7 @@ class KeyBlocks:
         self.compact = compact and reference is not None
         self.range_levels = 2**COMPACT_RANGE_BITS - 1 if self.compact else RANGE_CODE_LEVELS
         self.coded_apart = self.compact and kept is not None  # kept channels in 8-bit codes of their own
+        self.rest: torch.Tensor | None = None  # coded apart: the other channels' index, built with the first keys
         self.stored = TokenStore()  # codes, block range ends, kept channels
         # Token-major flat positions, ((t * batch + b) * heads + h) * dim + d, which appending tokens leaves valid.
         self.outlier_position = torch.empty(0, dtype=torch.int32)
@@ -118,7 +119,7 @@ class KeyBlocks:
         parts, lo, scale = self._store_range(lo, hi)
         codes = range_quantize(blocks, lo, scale, self.bits, self.levels).reshape(batch, heads, tokens, dim)
         if self.coded_apart:
-            parts["codes"] = pack_bits(codes.gather(-1, kept_index(self._rest(dim), codes)), self.bits)
+            parts["codes"] = pack_bits(codes.gather(-1, kept_index(self._rest(), codes)), self.bits)
             index = self.kept.unsqueeze(-2).expand(batch, heads, blocks.shape[2], width, -1)
             ends = (lo.gather(-1, index[..., :1, :]), self._kept_step(scale.gather(-1, index[..., :1, :])))
             parts["kept"] = range_quantize(blocks.gather(-1, index), *ends, KEPT_BITS).reshape(batch, heads, tokens, -1)
@@ -182,11 +183,14 @@ class KeyBlocks:
         """The step of the kept channels' 8-bit codes on a block range whose low-bit step is `scale`."""
         return scale * ((2**self.bits - 1) / (2**KEPT_BITS - 1))
 
-    def _rest(self, dim: int) -> torch.Tensor:
-        """The channels in the low-bit codes when the kept ones are coded apart: [1, heads, 1, dim - n], ascending."""
-        mask = torch.ones(self.kept.shape[1], dim, dtype=torch.bool, device=self.kept.device)
-        mask.scatter_(-1, self.kept[0, :, 0], False)
-        return mask.nonzero()[:, 1].reshape(1, self.kept.shape[1], 1, -1)
+    def _rest(self) -> torch.Tensor:
+        """The channels in the low-bit codes when the kept ones are coded apart: [1, heads, 1, dim - n], ascending
+        (built once: every read of the cache needs it)."""
+        if self.rest is None:
+            mask = torch.ones(self.kept.shape[1], self.dim, dtype=torch.bool, device=self.kept.device)
+            mask.scatter_(-1, self.kept[0, :, 0], False)
+            self.rest = mask.nonzero()[:, 1].reshape(1, self.kept.shape[1], 1, -1)
+        return self.rest
 
     def _kept_mask(self, x: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(x.shape[1], x.shape[-1], dtype=torch.bool, device=x.device)
@@ -206,7 +210,7 @@ class KeyBlocks:
         tensors = self.stored.tensors
         lo, scale = self._decode_range(tensors)  # [batch, heads, blocks, dim]
         if self.coded_apart:
-            rest = self._rest(self.dim)
+            rest = self._rest()
             part = unpack_bits(tensors["codes"], self.bits, rest.shape[-1])
             codes = torch.zeros(*part.shape[:-1], self.dim, dtype=torch.uint8, device=part.device)
             codes.scatter_(-1, kept_index(rest, codes), part)
