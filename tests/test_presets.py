@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from llmeasyquant.cli.options import _clip
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods import recipe_by_name
 from llmeasyquant.presets import QUANTIZE_PRESETS, preset
-from llmeasyquant.scheme import parse_scheme
+from llmeasyquant.scheme import make_scheme, parse_scheme
 
 
 @pytest.mark.parametrize("name", ["w4a16-g64", "w3a16-g64", "w4a8-g64", "w4a4-kv4"])
@@ -41,8 +42,12 @@ def test_options_spell_the_same_recipe():
     assert ("--online-rotation" in words) == chosen.online_rotation
     assert ("--online-attention-rotation" in words) == chosen.online_attention
     assert ("--act-asym" in words) == (not scheme.act.symmetric)
-    clip = float(words[words.index("--act-clip") + 1]) if "--act-clip" in words else 1.0
-    assert clip == pytest.approx(scheme.act.clip)
+    assert ("--act-clip" in words) == scheme.act.clips
+    if scheme.act.clips:
+        assert parse_scheme(chosen.scheme) == make_scheme(scheme.bits, scheme.group_size, scheme.symmetric, 4,
+                                                          act_clip=_clip(words[words.index("--act-clip") + 1]),
+                                                          act_symmetric=scheme.act.symmetric,
+                                                          act_sinks=scheme.act.sinks)
 
 
 def test_unknown_preset_lists_the_known_ones():

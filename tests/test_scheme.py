@@ -129,6 +129,26 @@ def test_unclipped_activations_keep_their_old_dict_and_name():
     assert make_scheme(4, 64, act_bits=4, act_clip=0.9) == parse_scheme("w4a4-ac90-g64")
 
 
+def test_searched_clip_name_dict_flags_and_refusals():
+    scheme = parse_scheme("w4a4-aasym-acs-as1-g64-asym")
+    assert scheme.act.clip_search and scheme.act.clip == 1.0 and scheme.act.clips
+    assert scheme.name == "w4a4-aasym-acs-as1-g64-asym" and QuantScheme.from_dict(scheme.to_dict()) == scheme
+    assert scheme.to_dict()["act"]["clip_search"] is True and "clip_search" not in W8A8.to_dict()["act"]
+    assert make_scheme(4, 64, True, act_bits=4, act_clip="search", act_symmetric=False, act_sinks=1) == \
+        parse_scheme("w4a4-aasym-acs-as1-g64")
+    assert scheme.act.clip_option == "search" and ActScheme(bits=4, clip=0.85).clip_option == "0.85"
+    with pytest.raises(ConfigError, match="either one fraction"):
+        ActScheme(bits=4, clip=0.9, clip_search=True)
+    with pytest.raises(ConfigError, match="'search'"):
+        make_scheme(4, 64, act_bits=4, act_clip="auto")
+    with pytest.raises(ConfigError, match="--act-bits"):
+        make_scheme(4, 64, act_clip="search")
+    with pytest.raises(ConfigError, match="-acs"):
+        parse_scheme("w4a16-acs-g64")
+    with pytest.raises(ConfigError, match="dynamic"):
+        ActScheme(clip_search=True, mode="static", granularity=PerTensor())
+
+
 @pytest.mark.parametrize("clip", [0.0, -0.5, 1.2, float("nan")])
 def test_activation_clip_outside_zero_one_is_refused(clip):
     with pytest.raises(ConfigError, match=r"clip ratio must lie in \(0, 1\]"):

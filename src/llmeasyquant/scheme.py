@@ -97,6 +97,10 @@ class ActScheme:
     # saturate. Below 1 it trades a few clipped outliers for finer steps everywhere else: at 4 bits a rotated,
     # near-Gaussian token's rounding error outweighs what clipping its tails costs (QuaRot clips at 0.9).
     clip: float = 1.0
+    # Instead of one fraction: each token's (the tensor's, per tensor) among CLIP_SEARCH_FRACTIONS, the one whose
+    # rounding leaves the least squared error (primitives.search_clip_activations). Tokens differ in how heavy their
+    # tails are, so one fraction is too low for some and too high for others.
+    clip_search: bool = False
     # The first `sinks` positions of each sequence take 8-bit activations (4-bit schemes): the attention sink's
     # hidden state carries the massive activations and every later token attends to it, so its 4-bit rounding
     # spreads to all of them. The layer learns the positions from nn/positions.py.
@@ -124,9 +128,22 @@ class ActScheme:
         if self.sinks and (self.bits >= 8 or self.mode is not ActMode.DYNAMIC):
             raise ConfigError("sink tokens take 8-bit activations in place of dynamic 4-bit ones: use them with "
                               "--act-bits 4 and dynamic scales, or drop --act-sinks")
-        if self.clip < 1.0 and self.mode is not ActMode.DYNAMIC:
+        if self.clip_search and self.clip < 1.0:
+            raise ConfigError(f"activation clipping is either one fraction ({self.clip:g}) or searched per token, not "
+                              "both: give --act-clip FRACTION or --act-clip search")
+        if self.clips and self.mode is not ActMode.DYNAMIC:
             raise ConfigError("activation clipping shrinks dynamic scales; static and online ranges are fixed "
                               "beforehand: use --act-mode dynamic or drop --act-clip")
+
+    @property
+    def clips(self) -> bool:
+        """Whether inputs are clipped before the kernel (one fraction below 1, or a searched one)."""
+        return self.clip < 1.0 or self.clip_search
+
+    @property
+    def clip_option(self) -> str:
+        """The `--act-clip` value that gives this clipping: 'search' or the fraction."""
+        return "search" if self.clip_search else f"{self.clip:g}"
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,8 @@ class QuantScheme:
             text += "-aasym"
         if self.act is not None and self.act.clip < 1.0:
             text += f"-ac{self.act.clip * 100:g}"
+        if self.act is not None and self.act.clip_search:
+            text += "-acs"
         if self.act is not None and self.act.sinks:
             text += f"-as{self.act.sinks}"
         if isinstance(self.granularity, PerGroup):
@@ -192,6 +211,7 @@ class QuantScheme:
                     "dynamic": self.act.mode is ActMode.DYNAMIC,
                     "granularity": granularity_to_str(self.act.granularity)} | (
                     {"clip": self.act.clip} if self.act.clip < 1.0 else {}) | (
+                    {"clip_search": True} if self.act.clip_search else {}) | (
                     {"sinks": self.act.sinks} if self.act.sinks else {}) | (
                     {"online": True, "momentum": self.act.momentum, "eps": self.act.eps,
                      "std_floor": self.act.std_floor} if self.act.mode is ActMode.ONLINE else {})}
@@ -208,7 +228,7 @@ class QuantScheme:
                 granularity=granularity_from_str(act["granularity"]),
                 momentum=float(act.get("momentum", 0.9)), eps=float(act.get("eps", 1e-5)),
                 std_floor=bool(act.get("std_floor", False)), clip=float(act.get("clip", 1.0)),
-                sinks=int(act.get("sinks", 0))),
+                clip_search=bool(act.get("clip_search", False)), sinks=int(act.get("sinks", 0))),
             grid=data.get("grid"),
         )
 
@@ -249,22 +269,26 @@ def granularity_from_str(text: str) -> Granularity:
     return table[text]()
 
 
-_SUFFIX = rf"-(g-?\d+|pt|asym|sym|apt|aasym|ac\d+(?:\.\d+)?|as\d+|astatic|aonline|{'|'.join(GRIDS)})"
+_SUFFIX = rf"-(g-?\d+|pt|asym|sym|apt|aasym|ac\d+(?:\.\d+)?|acs|as\d+|astatic|aonline|{'|'.join(GRIDS)})"
 _SCHEME_RE = re.compile(rf"^w(\d+)a(\d+)((?:{_SUFFIX})*)$")
 
 
 def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
                 act_bits: int | None = None, static_act: bool = False, act_mode: ActMode | str | None = None,
-                grid: str | None = None, act_clip: float = 1.0, act_symmetric: bool = True, act_sinks: int = 0,
+                grid: str | None = None, act_clip: float | str = 1.0, act_symmetric: bool = True, act_sinks: int = 0,
                 **online: float | bool) -> QuantScheme:
     """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`, `--act-mode` (or
-    `--static`), `--grid`, `--act-clip`, `--act-asym`, `--act-sinks`; `online` takes the online mode's `momentum`,
-    `eps` and `std_floor`."""
+    `--static`), `--grid`, `--act-clip` (a fraction or 'search'), `--act-asym`, `--act-sinks`; `online` takes the
+    online mode's `momentum`, `eps` and `std_floor`."""
     mode = ActMode.parse(act_mode or (ActMode.STATIC if static_act else ActMode.DYNAMIC))
     if group_size is not None:
         granularity: Granularity = PerGroup(group_size)
     else:
         granularity = PerChannel()
+    clip_search = act_clip == "search"
+    if isinstance(act_clip, str) and not clip_search:
+        raise ConfigError(f"--act-clip takes a fraction of each token's range in (0, 1] or 'search', got {act_clip!r}")
+    clip = 1.0 if clip_search else float(act_clip)
     if mode is not ActMode.DYNAMIC and act_bits in (None, 16):
         raise ConfigError(f"{mode} activation scales need quantized activations: add --act-bits 8")
     if act_bits in (None, 16):
@@ -274,17 +298,18 @@ def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True
             raise ConfigError(f"{given[0]} applies to quantized activations: add --act-bits 4 (or 8)")
         act = None
     elif mode is ActMode.DYNAMIC:
-        act = ActScheme(bits=act_bits, clip=act_clip, symmetric=act_symmetric, sinks=act_sinks)
+        act = ActScheme(bits=act_bits, clip=clip, clip_search=clip_search, symmetric=act_symmetric, sinks=act_sinks)
     else:
-        act = ActScheme(bits=act_bits, mode=mode, granularity=PerTensor(), clip=act_clip, symmetric=act_symmetric,
+        act = ActScheme(bits=act_bits, mode=mode, granularity=PerTensor(), clip=clip, clip_search=clip_search,
+                        symmetric=act_symmetric,
                         sinks=act_sinks, **(online if mode is ActMode.ONLINE else {}))
     return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act, grid=grid)
 
 
 def parse_scheme(name: str) -> QuantScheme:
     """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt`, `w8a8-astatic`, `w4a16-g64-nf4`,
-    `w4a4-ac90-as1-g64` (activations clipped at 0.90 of each token's range, the first token's in 8 bits)
-    (case-insensitive)."""
+    `w4a4-ac90-as1-g64` (activations clipped at 0.90 of each token's range, the first token's in 8 bits),
+    `w4a4-acs-g64` (each token's clip searched) (case-insensitive)."""
     match = _SCHEME_RE.match(name.strip().lower())
     if not match:
         raise ConfigError(
@@ -303,15 +328,15 @@ def parse_scheme(name: str) -> QuantScheme:
     act = make_scheme(bits, None, symmetric, act_bits).act
     if act is not None:
         mode = ActMode.ONLINE if "aonline" in parts else ActMode.STATIC if "astatic" in parts else ActMode.DYNAMIC
-        clips = [float(part[2:]) / 100 for part in parts if part.startswith("ac")]
+        clips = [float(part[2:]) / 100 for part in parts if re.fullmatch(r"ac[\d.]+", part)]
         sinks = [int(part[2:]) for part in parts if re.fullmatch(r"as\d+", part)]
         act = ActScheme(bits=act.bits, symmetric="aasym" not in parts, mode=mode,
                         granularity=PerTensor() if "apt" in parts or mode is not ActMode.DYNAMIC else PerToken(),
-                        clip=clips[-1] if clips else 1.0, sinks=sinks[-1] if sinks else 0)
-    elif {"apt", "aasym", "astatic", "aonline"} & set(parts) or any(re.fullmatch(r"a[cs][\d.]+", part)
+                        clip=clips[-1] if clips else 1.0, clip_search="acs" in parts, sinks=sinks[-1] if sinks else 0)
+    elif {"apt", "aasym", "astatic", "aonline", "acs"} & set(parts) or any(re.fullmatch(r"a[cs][\d.]+", part)
                                                                    for part in parts):
-        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -acN, -asN, -astatic, -aonline) "
-                          "without quantized activations")
+        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -acN, -acs, -asN, -astatic, "
+                          "-aonline) without quantized activations")
     grids = [part for part in parts if part in GRIDS]
     if len(grids) > 1:
         raise ConfigError(f"scheme {name!r} names more than one grid ({', '.join(grids)}); give one")

@@ -97,6 +97,17 @@ def test_quantize_with_clipped_or_asymmetric_activations_and_what_it_refuses(cap
     assert code == 0
     assert json.loads((out / QCONFIG_FILE).read_text())["layers"]["model.layers.1.self_attn.o_proj"]["act"]["clip"] \
         == pytest.approx(0.9)
+    code, _, _ = run(capsys, "quantize", llama_folder, "--act-bits", "4", "--act-clip", "search", "--out",
+                     tmp_path / "searched")
+    assert code == 0
+    act = json.loads((tmp_path / "searched" / QCONFIG_FILE).read_text())["layers"]["model.layers.0.mlp.up_proj"]["act"]
+    assert act["clip_search"] is True and "clip" not in act
+    code, _, err = run(capsys, "export", tmp_path / "searched", "--to", "gguf", "--out", tmp_path / "s.gguf")
+    assert_one_line_error(code, err, "clips its activations (--act-clip search)")
+    with pytest.raises(SystemExit):  # argparse's own usage error, naming the option and what it takes
+        run(capsys, "quantize", llama_folder, "--act-bits", "4", "--act-clip", "most", "--out", tmp_path / "bad")
+    err = capsys.readouterr().err
+    assert "--act-clip" in err and "'search'" in err
     code, _, _ = run(capsys, "quantize", llama_folder, "--act-bits", "4", "--act-asym", "--out", tmp_path / "aasym")
     assert code == 0
     act = json.loads((tmp_path / "aasym" / QCONFIG_FILE).read_text())["layers"]["model.layers.0.mlp.up_proj"]["act"]

@@ -53,9 +53,10 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-bits", type=int, choices=(4, 8, 16),
                    help="8: dynamic per-token int8 activations (W8A8, W4A8 on integer kernels); 4: 4-bit ones (W4A4: "
                    "with a rotation, --method rotate+gptq); 16: float activations")
-    p.add_argument("--act-clip", type=float, default=1.0, metavar="FRACTION",
+    p.add_argument("--act-clip", type=_clip, default=1.0, metavar="FRACTION|search",
                    help="dynamic activation scales cover this fraction of each token's range, values beyond it "
-                   "saturate (default 1: no clipping). 0.9 lowers 4-bit activations' rounding error (W4A4)")
+                   "saturate (default 1: no clipping). 0.9 lowers 4-bit activations' rounding error (W4A4); "
+                   "'search' picks each token's fraction (1 to 0.5) by least rounding error at run time")
     p.add_argument("--act-asym", action="store_true",
                    help="asymmetric activations: a zero point per token (dynamic) or per layer (static, online), "
                    "so that a skewed range uses every level (scheme suffix -aasym)")
@@ -140,6 +141,15 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
                    help="rotate: also an online Hadamard transform of each attention output projection's input (the "
                    "heads' outputs), as --online-rotation does for the down projection (default: off; for 4-bit "
                    "activations)")
+
+
+def _clip(text: str) -> float | str:
+    if text.strip().lower() == "search":
+        return "search"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] or 'search', got {text!r}") from None
 
 
 def _alpha(text: str) -> float | str:

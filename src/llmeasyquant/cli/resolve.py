@@ -119,7 +119,7 @@ def apply_preset(args: argparse.Namespace) -> None:
     scheme = parse_scheme(chosen.scheme)
     args.method, args.bits, args.group_size = chosen.method, scheme.bits, scheme.group_size
     args.asym, args.act_bits = not scheme.symmetric, 16 if scheme.act is None else scheme.act.bits
-    args.act_clip = 1.0 if scheme.act is None else scheme.act.clip
+    args.act_clip = 1.0 if scheme.act is None else "search" if scheme.act.clip_search else scheme.act.clip
     args.act_asym = scheme.act is not None and not scheme.act.symmetric
     args.act_sinks = 0 if scheme.act is None else scheme.act.sinks
     args.grid, args.online_rotation = scheme.grid, chosen.online_rotation or None

@@ -66,7 +66,8 @@ def layers_to_export(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
                           f"its input, which the {fmt} format cannot carry: the exported model would compute "
                           "another function. Quantize without the online rotation (--no-online-rotation; the "
                           "offline rotation of the residual stream exports fine) or keep our checkpoint format")
-    options = (("--act-clip", lambda act: act.clip < 1, lambda act: f"clips its activations (--act-clip {act.clip:g})"),
+    options = (("--act-clip", lambda act: act.clips,
+                lambda act: f"clips its activations (--act-clip {act.clip_option})"),
                ("--act-sinks", lambda act: act.sinks > 0,
                 lambda act: f"keeps its first {act.sinks} positions' activations in 8 bits (--act-sinks {act.sinks})"))
     for option, differs, says in options:

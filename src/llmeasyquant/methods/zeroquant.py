@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.kernels.clipping import limit_activations
 from llmeasyquant.methods.base import BlockContext, Quantizer, rtn_quant_linear
 from llmeasyquant.methods.stats import first_output
 from llmeasyquant.models.arch import linear_weight, set_module
 from llmeasyquant.nn.transform import input_transform_of
-from llmeasyquant.primitives import clip_activations, fake_quantize
+from llmeasyquant.primitives import fake_quantize
 from llmeasyquant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class _FakeQuantLinear(nn.Module):
         weight = _straight_through(weight, fake_quantize(weight.detach(), s.bits, s.symmetric, s.granularity,
                                                          scale_dtype=torch.float16))
         if s.act is not None:
-            clipped = clip_activations(x.detach(), s.act.clip, s.act.symmetric, s.act.granularity)
+            clipped = limit_activations(x.detach(), s.act)
             x = _straight_through(x, fake_quantize(clipped, s.act.bits, s.act.symmetric, s.act.granularity))
         return nn.functional.linear(x, weight, getattr(self.inner, "bias", None))
 

@@ -14,6 +14,7 @@ from torch import nn
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.grid import grid_levels, level_count
 from llmeasyquant.kernels.choice import is_pinned, row_bucket
+from llmeasyquant.kernels.clipping import limit_activations
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, scope
 from llmeasyquant.nn.observers import ema_step, observed_extremes
 from llmeasyquant.nn.positions import sink_rows
@@ -21,7 +22,6 @@ from llmeasyquant.primitives import (
     QParams,
     check_finite,
     choose_qparams,
-    clip_activations,
     dequantize,
     pack_bits,
     pack_int4,
@@ -286,8 +286,7 @@ class QuantLinear(nn.Module):
         # layer, which runs them once.
         act = self.scheme.act
         sinks = None if act is None or not act.sinks else sink_rows(x.numel() // self.in_features, act.sinks)
-        clipped = x if act is None or act.clip >= 1.0 else clip_activations(x, act.clip, act.symmetric,
-                                                                             act.granularity)
+        clipped = x if act is None or not act.clips else limit_activations(x, act)
         y = self._run_kernel(clipped)
         if sinks is not None:  # the first positions of each sequence again, with 8-bit activations
             rows = y.view(-1, self.out_features)
@@ -302,7 +301,7 @@ class QuantLinear(nn.Module):
         if twin is None:
             twin = QuantLinear.__new__(QuantLinear)
             twin.__dict__.update(self.__dict__)
-            act = dataclasses.replace(self.scheme.act, bits=8, clip=1.0, sinks=0)
+            act = dataclasses.replace(self.scheme.act, bits=8, clip=1.0, clip_search=False, sinks=0)
             twin.scheme = dataclasses.replace(self.scheme, act=act)
             twin._kernels, twin.shared = {}, None
             self.__dict__["_sink_twin"] = twin

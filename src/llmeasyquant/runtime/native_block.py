@@ -29,7 +29,7 @@ def linear_arguments(linear: Callable[[torch.Tensor], torch.Tensor]) -> tuple[in
             or layer.input_transform is not None or layer.shared is not None):
         return None
     act = layer.scheme.act
-    if act is not None and (act.sinks or act.clip < 1.0):  # QuantLinear changes such inputs before the kernel
+    if act is not None and (act.sinks or act.clips):  # QuantLinear changes such inputs before the kernel
         return None
     kernel = layer.kernel(1)
     if getattr(kernel, "decode_block_kind", None) is None or not kernel.in_decode_block(layer):

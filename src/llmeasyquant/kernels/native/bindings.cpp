@@ -38,5 +38,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4_levels", &dequantize_int4_levels);
   m.def("int4_levels_matmul", &int4_levels_matmul);
   m.def("hadamard_transform", &hadamard_transform);
+  m.def("search_clip_rows", &search_clip_rows);
   m.def("decode_block", &decode_block);
 }

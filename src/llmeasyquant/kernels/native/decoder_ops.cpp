@@ -475,3 +475,83 @@ at::Tensor hadamard_transform(const at::Tensor& x_in, const at::Tensor& signs_in
   });
   return out;
 }
+
+// ==== searched activation clipping (--act-clip search) ====
+
+// x: [rows, width] fp32, bits: the activation width, symmetric, fractions: [F] fp32 (F <= 16), min_scale: double
+// -> [rows, width] fp32
+// Each row clamped to the fraction f of its range, among `fractions`, whose dynamic rounding leaves the least
+// squared error (the first such f on a tie): symmetric codes in [-2^(b-1), 2^(b-1) - 1] on max|x| f / qmax, or
+// asymmetric ones with a zero point on [f min(x, 0), f max(x, 0)], each value rounded as the kernel rounds the
+// clamped row (ties to even). One vectorised pass over the row per fraction; kernels/clipping.py's
+// search_clip_reference is the same in PyTorch operators (its error sums run in another order).
+at::Tensor search_clip_rows(const at::Tensor& x_in, int64_t bits, bool symmetric, const at::Tensor& fractions_in,
+                            double min_scale) {
+  TORCH_CHECK(bits >= 2 && bits <= 8, "bits must lie in [2, 8], got ", bits);
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  const at::Tensor fractions = input(fractions_in, at::kFloat, "fractions");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, width]");
+  const int64_t count = fractions.numel();
+  TORCH_CHECK(count >= 1 && count <= 16, "fractions must hold 1 to 16 values");
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor out = at::empty({rows, width}, x.options());
+  const float* px = x.data_ptr<float>();
+  const float* pf = fractions.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const float qmin = -static_cast<float>(1 << (bits - 1)), qmax = static_cast<float>((1 << (bits - 1)) - 1);
+  const float floor_scale = static_cast<float>(min_scale);
+  for_rows(rows, width * count, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* row = px + r * width;
+      float low = 0.0f, high = 0.0f;  // the range always holds zero, as the kernels' scales do
+#pragma omp simd reduction(min : low) reduction(max : high)
+      for (int64_t i = 0; i < width; ++i) {
+        low = std::min(low, row[i]);
+        high = std::max(high, row[i]);
+      }
+      float best_error = std::numeric_limits<float>::infinity(), best_lo = low, best_hi = high;
+      for (int64_t f = 0; f < count; ++f) {
+        float lo, hi, scale, zero = 0.0f;
+        if (symmetric) {
+          hi = std::max(-low, high) * pf[f];
+          lo = -hi;
+          scale = std::max(hi / qmax, floor_scale);
+        } else {
+          lo = low * pf[f];
+          hi = high * pf[f];
+          scale = std::max((hi - lo) / (qmax - qmin), floor_scale);
+          zero = std::min(std::max(std::nearbyint(qmin - lo / scale), qmin), qmax);
+        }
+        // Times the reciprocal, where the kernels divide: the estimate may round a value lying exactly between
+        // two codes the other way, which moves the error by a hair and never the clipping that follows.
+        const float inverse = 1.0f / scale;
+        const Vec v_lo(lo), v_hi(hi), v_inverse(inverse), v_scale(scale), v_zero(zero), v_qmin(qmin), v_qmax(qmax);
+        Vec sums(0.0f);
+        int64_t i = 0;
+        for (; i + Vec::size() <= width; i += Vec::size()) {
+          const Vec value = Vec::loadu(row + i);
+          const Vec code = at::vec::clamp((at::vec::clamp(value, v_lo, v_hi) * v_inverse).round() + v_zero, v_qmin,
+                                          v_qmax);
+          const Vec miss = (code - v_zero) * v_scale - value;
+          sums = at::vec::fmadd(miss, miss, sums);
+        }
+        float error = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sums);
+        for (; i < width; ++i) {
+          const float clamped = std::min(std::max(row[i], lo), hi);
+          const float code = std::min(std::max(std::nearbyint(clamped * inverse) + zero, qmin), qmax);
+          const float miss = (code - zero) * scale - row[i];
+          error += miss * miss;
+        }
+        if (error < best_error) {
+          best_error = error;
+          best_lo = lo;
+          best_hi = hi;
+        }
+      }
+      float* dst = po + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) dst[i] = std::min(std::max(row[i], best_lo), best_hi);
+    }
+  });
+  return out;
+}

@@ -35,6 +35,10 @@ at::Tensor dequantize_rows(const at::Tensor& acc_in, const at::Tensor& row_scale
 
 // x: [rows, width] fp32, signs: [width] fp32, odd: [m, m] fp32 -> [rows, width] fp32 (x diag(signs) (H ⊗ odd) / sqrt(H's order))
 at::Tensor hadamard_transform(const at::Tensor& x_in, const at::Tensor& signs_in, const at::Tensor& odd_in);
+// x: [rows, width] fp32, fractions: [F] fp32 -> [rows, width] fp32 (each row clamped to the fraction of its range that
+// rounds it to `bits`-bit dynamic codes with the least squared error)
+at::Tensor search_clip_rows(const at::Tensor& x_in, int64_t bits, bool symmetric, const at::Tensor& fractions_in,
+                            double min_scale);
 
 // ==== matmul kernels (matmul_kernels.cpp) ====
 
