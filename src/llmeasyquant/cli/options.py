@@ -10,6 +10,8 @@ from llmeasyquant.errors import ConfigError
 from llmeasyquant.scheme import GRIDS, ActMode
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from llmeasyquant.runtime.engine import Engine, EngineConfig
     from llmeasyquant.runtime.requests import SamplingParams
 
@@ -143,22 +145,22 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
                    "activations)")
 
 
-def _clip(text: str) -> float | str:
-    if text.strip().lower() == "search":
-        return "search"
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] or 'search', got {text!r}") from None
+def _number_or(word: str, interval: str) -> Callable[[str], float | str]:
+    """An argparse type for an option that takes a number in `interval` or the word `word` (checked further on)."""
+
+    def parse(text: str) -> float | str:
+        if text.strip().lower() == word:
+            return word
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {interval} or '{word}', got {text!r}") from None
+
+    return parse
 
 
-def _alpha(text: str) -> float | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
+_clip = _number_or("search", "(0, 1]")
+_alpha = _number_or("auto", "[0, 1]")
 
 
 # generate, chat and serve -------------------------------------------------------------------------------------------
