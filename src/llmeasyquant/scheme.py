@@ -98,7 +98,7 @@ class ActScheme:
     # near-Gaussian token's rounding error outweighs what clipping its tails costs (QuaRot clips at 0.9).
     clip: float = 1.0
     # Instead of one fraction: each token's (the tensor's, per tensor) among CLIP_SEARCH_FRACTIONS, the one whose
-    # rounding leaves the least squared error (primitives.search_clip_activations). Tokens differ in how heavy their
+    # rounding leaves the least squared error (kernels/clipping.py). Tokens differ in how heavy their
     # tails are, so one fraction is too low for some and too high for others.
     clip_search: bool = False
     # The first `sinks` positions of each sequence take 8-bit activations (4-bit schemes): the attention sink's
@@ -301,8 +301,7 @@ def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True
         act = ActScheme(bits=act_bits, clip=clip, clip_search=clip_search, symmetric=act_symmetric, sinks=act_sinks)
     else:
         act = ActScheme(bits=act_bits, mode=mode, granularity=PerTensor(), clip=clip, clip_search=clip_search,
-                        symmetric=act_symmetric,
-                        sinks=act_sinks, **(online if mode is ActMode.ONLINE else {}))
+                        symmetric=act_symmetric, sinks=act_sinks, **(online if mode is ActMode.ONLINE else {}))
     return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act, grid=grid)
 
 
