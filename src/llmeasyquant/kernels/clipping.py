@@ -19,6 +19,7 @@ from llmeasyquant.scheme import ActScheme, Granularity, PerTensor
 # The fractions of a token's range the search tries. 1.0 (min-max) is one, so no token rounds worse than unclipped;
 # below 0.5 a 4-bit token would have to be far heavier-tailed than a rotated stream's.
 CLIP_SEARCH_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+_FRACTIONS = torch.tensor(CLIP_SEARCH_FRACTIONS, dtype=torch.float32)  # made once: every decode step's layers read it
 
 
 def search_clip_reference(x: torch.Tensor, bits: int, symmetric: bool, granularity: Granularity) -> torch.Tensor:
@@ -28,7 +29,7 @@ def search_clip_reference(x: torch.Tensor, bits: int, symmetric: bool, granulari
     compute from the result is the chosen one."""
     dims = tuple(range(x.dim())) if isinstance(granularity, PerTensor) else (x.dim() - 1,)
     xf = x.float()
-    fractions = torch.tensor(CLIP_SEARCH_FRACTIONS, dtype=torch.float32).reshape(-1, *([1] * x.dim()))
+    fractions = _FRACTIONS.to(x.device).reshape(-1, *([1] * x.dim()))
     qmin, qmax = qrange(bits)
     if symmetric:
         hi = torch.amax(xf.abs(), dim=dims, keepdim=True) * fractions  # [fractions, ...] over x's shape
@@ -57,8 +58,7 @@ def search_clip_activations(x: torch.Tensor, bits: int, symmetric: bool, granula
     if ops is None:
         return search_clip_reference(x, bits, symmetric, granularity)
     rows = x.reshape(-1, x.shape[-1]).float()
-    fractions = torch.tensor(CLIP_SEARCH_FRACTIONS, dtype=torch.float32)
-    return ops.search_clip_rows(rows, bits, symmetric, fractions, MIN_SCALE).reshape(x.shape).to(x.dtype)
+    return ops.search_clip_rows(rows, bits, symmetric, _FRACTIONS, MIN_SCALE).reshape(x.shape).to(x.dtype)
 
 
 def limit_activations(x: torch.Tensor, act: ActScheme) -> torch.Tensor:
