@@ -32,7 +32,7 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.methods.base import BlockContext, block_input_stats
-from llmeasyquant.methods.gptq import FACTOR_THREADS, GPTQ, input_groups
+from llmeasyquant.methods.gptq import GPTQ, fixed_threads, input_groups
 from llmeasyquant.methods.gram import ExactGram
 from llmeasyquant.models.arch import linear_weight
 from llmeasyquant.nn.transform import transformed_input
@@ -105,14 +105,10 @@ def float_output_target(weight: torch.Tensor, hessian: torch.Tensor, shift: torc
                         ) -> torch.Tensor:
     """W* = W + W ΔXᵀ X̃ (X̃ᵀX̃ + λI)⁻¹ [out, in] fp32 from Σ X̃ᵀX̃ and Σ X̃ᵀΔX, λ = damp × the mean diagonal (GPTQ's),
     solved in fp64 on FACTOR_THREADS threads so that the bits do not depend on the process's thread count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(FACTOR_THREADS)
-    try:
+    with fixed_threads():
         h = hessian.double()
         h.diagonal().add_(damp * h.diagonal().mean())
         w = weight.double()
         # (X̃ᵀX̃ + λI)⁻¹ X̃ᵀΔX Wᵀ = the correction's transpose
         correction = torch.cholesky_solve(shift.double() @ w.t(), torch.linalg.cholesky(h)).t()
         return (w + correction).float().contiguous()
-    finally:
-        torch.set_num_threads(before)

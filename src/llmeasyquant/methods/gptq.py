@@ -19,7 +19,8 @@ the Hessian diagonal (each input's mean square), as the uniform scales are fixed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -120,6 +121,19 @@ def input_groups(stats: InputStats, names: list[str]) -> list[list[str]]:
 FACTOR_THREADS = 2  # LAPACK's threads for H⁻¹'s factor: fixed, so the bits do not depend on the process's count
 
 
+@contextmanager
+def fixed_threads() -> Iterator[None]:
+    """Run on FACTOR_THREADS threads, whatever the process runs (inverse_factor_ says why), then restore."""
+    before = torch.get_num_threads()
+    if before != FACTOR_THREADS:
+        torch.set_num_threads(FACTOR_THREADS)
+    try:
+        yield
+    finally:
+        if before != FACTOR_THREADS:
+            torch.set_num_threads(before)
+
+
 def inverse_factor_(h: torch.Tensor) -> torch.Tensor:
     """Overwrites H [in, in] (fp32) with the upper Cholesky factor of H⁻¹ and returns it: the same bits in every
     process.
@@ -132,18 +146,12 @@ def inverse_factor_(h: torch.Tensor) -> torch.Tensor:
     largest step of a block); on more cores the rest stay idle meanwhile (docs/distributed.md). The three steps run
     in place on one fp64 copy (1.6 GB at 14336 columns), stored column-major: LAPACK's layout, which spares each
     step a copy of its own."""
-    before = torch.get_num_threads()
-    if before != FACTOR_THREADS:
-        torch.set_num_threads(FACTOR_THREADS)
-    try:
+    with fixed_threads():
         h64 = torch.empty_strided(h.shape, (1, h.shape[0]), dtype=torch.float64, device=h.device).copy_(h)
         torch.linalg.cholesky(h64, out=h64)
         torch.cholesky_inverse(h64, out=h64)
         torch.linalg.cholesky(h64, upper=True, out=h64)
         return h.copy_(h64)
-    finally:
-        if before != FACTOR_THREADS:
-            torch.set_num_threads(before)
 
 
 def _group_params(weight: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor | None = None) -> QParams:
