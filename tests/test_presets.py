@@ -43,11 +43,13 @@ def test_options_spell_the_same_recipe():
     assert ("--online-attention-rotation" in words) == chosen.online_attention
     assert ("--act-asym" in words) == (not scheme.act.symmetric)
     assert ("--act-clip" in words) == scheme.act.clips
+    assert ("--act-group-size" in words) == (scheme.act.group_size is not None)
     if scheme.act.clips:
+        groups = int(words[words.index("--act-group-size") + 1]) if scheme.act.group_size else None
         assert parse_scheme(chosen.scheme) == make_scheme(scheme.bits, scheme.group_size, scheme.symmetric, 4,
                                                           act_clip=_clip(words[words.index("--act-clip") + 1]),
                                                           act_symmetric=scheme.act.symmetric,
-                                                          act_sinks=scheme.act.sinks)
+                                                          act_sinks=scheme.act.sinks, act_group_size=groups)
 
 
 def test_unknown_preset_lists_the_known_ones():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -169,6 +170,27 @@ def test_sink_tokens_name_dict_and_refusals():
         make_scheme(4, 64, act_sinks=1)
     with pytest.raises(ConfigError, match="-asN"):
         parse_scheme("w4a16-as1-g64")
+
+
+def test_activation_groups_name_dict_flags_and_refusals():
+    scheme = parse_scheme("w4a4-aasym-acs-as1-ag64-g64-asym")
+    assert scheme.act.granularity == PerGroup(64) and scheme.act.group_size == 64
+    assert scheme.name == "w4a4-aasym-acs-as1-ag64-g64-asym" and QuantScheme.from_dict(scheme.to_dict()) == scheme
+    assert make_scheme(4, 64, False, act_bits=4, act_clip="search", act_symmetric=False, act_sinks=1,
+                       act_group_size=64) == scheme
+    assert parse_scheme("w4a4-g64").act.group_size is None and W8A8.to_dict()["act"]["granularity"] == "token"
+    for make, words in ((lambda: parse_scheme("w4a4-ag64-g128"), "--group-size 64"),
+                        (lambda: make_scheme(4, None, act_bits=4, act_group_size=64), "one scale a row"),
+                        (lambda: make_scheme(4, 64, act_group_size=64), "--act-group-size applies"),
+                        (lambda: parse_scheme("w4a16-ag64-g64"), "-agN"),
+                        (lambda: parse_scheme("w8a8-astatic-ag64-g64"), "one per tensor"),
+                        (lambda: parse_scheme("w8a8-apt-ag64-g64"), "one per tensor"),
+                        (lambda: make_scheme(8, 64, act_bits=8, act_mode="static", act_group_size=64),
+                         "drop --act-group-size"),
+                        (lambda: make_scheme(4, 64, act_bits=4, act_group_size=0), "positive integer"),
+                        (lambda: ActScheme(bits=8, mode="online", granularity=PerGroup(64)), "per tensor")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            make()
 
 
 def test_make_scheme_takes_asymmetric_activations():
@@ -383,10 +405,10 @@ def test_act_mode_is_an_enum_that_prints_its_value():
         ActScheme(mode="sometimes", granularity=PerTensor())
 
 
-@pytest.mark.parametrize("granularity", [PerChannel(), PerGroup(64)])
-def test_activation_granularity_must_be_per_token_or_tensor(granularity):
-    with pytest.raises(ConfigError, match="per-token or per-tensor"):
-        ActScheme(granularity=granularity)
+def test_activation_granularity_must_be_per_token_per_group_or_per_tensor():
+    with pytest.raises(ConfigError, match="per-token, per token in groups of channels, or per-tensor"):
+        ActScheme(granularity=PerChannel())
+    assert ActScheme(granularity=PerGroup(64)).group_size == 64
 
 
 def test_config_error_is_value_error():

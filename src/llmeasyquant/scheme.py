@@ -84,6 +84,11 @@ class ActScheme:
     per-tensor range tracked while the model runs (δ_t = momentum·δ_{t-1} + (1 - momentum)·max(ε_t, absmax X_t),
     ε_t = `eps`, or max(`eps`, std X_t) with `std_floor`), with no calibration data.
 
+    Dynamic scales may also be per token per group of channels (`granularity=PerGroup(size)`, `--act-group-size`):
+    one scale (and zero point) for each `size` consecutive channels of a token, as the weights' groups are, so the
+    integer kernel scales each group's exact sum by the two scales together. A 4-bit token of a rotated,
+    near-Gaussian stream then rounds each group on its own range instead of the whole row's.
+
     `ActScheme(mode=ActMode.STATIC, granularity=PerTensor())`; `mode` also takes the value's string ('static')."""
 
     bits: int = 8
@@ -111,11 +116,13 @@ class ActScheme:
         if self.bits not in ACT_BITS:
             raise ConfigError(f"unsupported activation bit width {self.bits!r}; choose 8 or 4 (4-bit activations "
                               "want a rotation first: --method rotate+gptq)")
-        if not isinstance(self.granularity, PerToken | PerTensor):
-            raise ConfigError("activation granularity must be per-token or per-tensor")
+        if not isinstance(self.granularity, PerToken | PerTensor | PerGroup):
+            raise ConfigError("activation granularity must be per-token, per token in groups of channels, or "
+                              "per-tensor")
         if self.mode is not ActMode.DYNAMIC and not isinstance(self.granularity, PerTensor):
             raise ConfigError("static and online activation scales are per tensor (tokens are not known in "
-                              "advance); use per-tensor granularity or dynamic per-token scales")
+                              "advance); use per-tensor granularity or dynamic per-token scales (drop "
+                              "--act-group-size)")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"activation EMA momentum must lie in [0, 1), got {self.momentum}")
         if not self.eps > 0:
@@ -134,6 +141,11 @@ class ActScheme:
         if self.clips and self.mode is not ActMode.DYNAMIC:
             raise ConfigError("activation clipping shrinks dynamic scales; static and online ranges are fixed "
                               "beforehand: use --act-mode dynamic or drop --act-clip")
+
+    @property
+    def group_size(self) -> int | None:
+        """Channels that share a scale within a token (`--act-group-size`); None: the whole token (or tensor)."""
+        return self.granularity.size if isinstance(self.granularity, PerGroup) else None
 
     @property
     def clips(self) -> bool:
@@ -162,6 +174,11 @@ class QuantScheme:
             raise ConfigError("weights cannot be quantized per token; use per-tensor, per-channel or per-group")
         if self.grid is not None:
             _check_grid(self)
+        if self.act is not None and self.act.group_size is not None and self.act.group_size != self.group_size:
+            weights = f"groups of {self.group_size}" if self.group_size else "one scale a row"
+            raise ConfigError(f"activation groups of {self.act.group_size} channels need weight groups of the same "
+                              f"size (the kernel scales each group's integer sum by both scales), but the weights "
+                              f"have {weights}: give --group-size {self.act.group_size} or drop --act-group-size")
 
     @property
     def static_act(self) -> bool:
@@ -188,6 +205,8 @@ class QuantScheme:
             text += "-acs"
         if self.act is not None and self.act.sinks:
             text += f"-as{self.act.sinks}"
+        if self.act is not None and self.act.group_size is not None:
+            text += f"-ag{self.act.group_size}"
         if isinstance(self.granularity, PerGroup):
             text += f"-g{self.granularity.size}"
         elif isinstance(self.granularity, PerTensor):
@@ -269,17 +288,17 @@ def granularity_from_str(text: str) -> Granularity:
     return table[text]()
 
 
-_SUFFIX = rf"-(g-?\d+|pt|asym|sym|apt|aasym|ac\d+(?:\.\d+)?|acs|as\d+|astatic|aonline|{'|'.join(GRIDS)})"
+_SUFFIX = rf"-(g-?\d+|pt|asym|sym|apt|aasym|ac\d+(?:\.\d+)?|acs|as\d+|ag\d+|astatic|aonline|{'|'.join(GRIDS)})"
 _SCHEME_RE = re.compile(rf"^w(\d+)a(\d+)((?:{_SUFFIX})*)$")
 
 
 def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True,
                 act_bits: int | None = None, static_act: bool = False, act_mode: ActMode | str | None = None,
                 grid: str | None = None, act_clip: float | str = 1.0, act_symmetric: bool = True, act_sinks: int = 0,
-                **online: float | bool) -> QuantScheme:
+                act_group_size: int | None = None, **online: float | bool) -> QuantScheme:
     """The scheme the CLI flags describe: `--bits`, `--group-size`, `--asym`, `--act-bits`, `--act-mode` (or
-    `--static`), `--grid`, `--act-clip` (a fraction or 'search'), `--act-asym`, `--act-sinks`; `online` takes the
-    online mode's `momentum`, `eps` and `std_floor`."""
+    `--static`), `--grid`, `--act-clip` (a fraction or 'search'), `--act-asym`, `--act-sinks`, `--act-group-size`;
+    `online` takes the online mode's `momentum`, `eps` and `std_floor`."""
     mode = ActMode.parse(act_mode or (ActMode.STATIC if static_act else ActMode.DYNAMIC))
     if group_size is not None:
         granularity: Granularity = PerGroup(group_size)
@@ -293,13 +312,19 @@ def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True
         raise ConfigError(f"{mode} activation scales need quantized activations: add --act-bits 8")
     if act_bits in (None, 16):
         given = [flag for flag, unset in (("--act-clip", act_clip == 1.0), ("--act-asym", act_symmetric),
-                                          ("--act-sinks", act_sinks == 0)) if not unset]
+                                          ("--act-sinks", act_sinks == 0), ("--act-group-size", act_group_size is None))
+                 if not unset]
         if given:
             raise ConfigError(f"{given[0]} applies to quantized activations: add --act-bits 4 (or 8)")
         act = None
     elif mode is ActMode.DYNAMIC:
-        act = ActScheme(bits=act_bits, clip=clip, clip_search=clip_search, symmetric=act_symmetric, sinks=act_sinks)
+        act_granularity: Granularity = PerToken() if act_group_size is None else PerGroup(act_group_size)
+        act = ActScheme(bits=act_bits, clip=clip, clip_search=clip_search, symmetric=act_symmetric, sinks=act_sinks,
+                        granularity=act_granularity)
     else:
+        if act_group_size is not None:
+            raise ConfigError(f"--act-group-size groups dynamic scales; {mode} activation scales are one per tensor: "
+                              "drop --act-group-size or use --act-mode dynamic")
         act = ActScheme(bits=act_bits, mode=mode, granularity=PerTensor(), clip=clip, clip_search=clip_search,
                         symmetric=act_symmetric, sinks=act_sinks, **(online if mode is ActMode.ONLINE else {}))
     return QuantScheme(bits=bits, symmetric=symmetric, granularity=granularity, act=act, grid=grid)
@@ -308,7 +333,8 @@ def make_scheme(bits: int, group_size: int | None = None, symmetric: bool = True
 def parse_scheme(name: str) -> QuantScheme:
     """Parse `w8a8`, `w8a16`, `w4a16-g64`, `w4a16-g128-asym`, `w8a16-pt`, `w8a8-astatic`, `w4a16-g64-nf4`,
     `w4a4-ac90-as1-g64` (activations clipped at 0.90 of each token's range, the first token's in 8 bits),
-    `w4a4-acs-g64` (each token's clip searched) (case-insensitive)."""
+    `w4a4-acs-g64` (each token's clip searched), `w4a4-ag64-g64` (activation scales per token per 64 channels)
+    (case-insensitive)."""
     match = _SCHEME_RE.match(name.strip().lower())
     if not match:
         raise ConfigError(
@@ -329,12 +355,17 @@ def parse_scheme(name: str) -> QuantScheme:
         mode = ActMode.ONLINE if "aonline" in parts else ActMode.STATIC if "astatic" in parts else ActMode.DYNAMIC
         clips = [float(part[2:]) / 100 for part in parts if re.fullmatch(r"ac[\d.]+", part)]
         sinks = [int(part[2:]) for part in parts if re.fullmatch(r"as\d+", part)]
+        act_groups = [int(part[2:]) for part in parts if re.fullmatch(r"ag\d+", part)]
+        act_granularity: Granularity = PerToken() if not act_groups else PerGroup(act_groups[-1])
+        if act_groups and ("apt" in parts or mode is not ActMode.DYNAMIC):
+            raise ConfigError(f"scheme {name!r} groups activation scales (-agN) that are one per tensor (-apt, "
+                              "-astatic, -aonline): drop one or the other")
         act = ActScheme(bits=act.bits, symmetric="aasym" not in parts, mode=mode,
-                        granularity=PerTensor() if "apt" in parts or mode is not ActMode.DYNAMIC else PerToken(),
+                        granularity=PerTensor() if "apt" in parts or mode is not ActMode.DYNAMIC else act_granularity,
                         clip=clips[-1] if clips else 1.0, clip_search="acs" in parts, sinks=sinks[-1] if sinks else 0)
-    elif {"apt", "aasym", "astatic", "aonline", "acs"} & set(parts) or any(re.fullmatch(r"a[cs][\d.]+", part)
+    elif {"apt", "aasym", "astatic", "aonline", "acs"} & set(parts) or any(re.fullmatch(r"a[csg][\d.]+", part)
                                                                    for part in parts):
-        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -acN, -acs, -asN, -astatic, "
+        raise ConfigError(f"scheme {name!r} sets activation options (-apt, -aasym, -acN, -acs, -asN, -agN, -astatic, "
                           "-aonline) without quantized activations")
     grids = [part for part in parts if part in GRIDS]
     if len(grids) > 1:

@@ -127,6 +127,35 @@ def test_quantize_with_clipped_or_asymmetric_activations_and_what_it_refuses(cap
     assert not (tmp_path / "bad").exists()
 
 
+def test_quantize_with_activation_groups_exports_them_or_refuses(capsys, llama_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "grouped"
+    code, _, _ = run(capsys, "quantize", llama_folder, "--bits", "4", "--group-size", "32", "--act-bits", "4",
+                     "--act-group-size", "32", "--out", out)
+    assert code == 0
+    act = json.loads((out / QCONFIG_FILE).read_text())["layers"]["model.layers.0.mlp.down_proj"]["act"]
+    assert act["granularity"] == "group:32" and act["bits"] == 4
+    code, _, _ = run(capsys, "export", out, "--to", "compressed-tensors", "--out", tmp_path / "ct")
+    assert code == 0
+    groups = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["config_groups"]
+    inputs = [group["input_activations"] for group in groups.values()]
+    assert inputs and all(a["strategy"] == "group" and a["group_size"] == 32 and a["dynamic"] for a in inputs)
+    w8 = tmp_path / "w4a8"
+    assert run(capsys, "quantize", llama_folder, "--bits", "4", "--group-size", "32", "--act-bits", "8",
+               "--act-group-size", "32", "--out", w8)[0] == 0
+    code, _, err = run(capsys, "export", w8, "--to", "onnx", "--out", tmp_path / "m.onnx")
+    assert_one_line_error(code, err, "per token per 32 channels", "--act-group-size")
+    assert not (tmp_path / "m.onnx").exists()
+    for args, words in ((["--group-size", "64"], ("weight groups of the same size", "--group-size 32")),
+                        ([], ("one scale a row", "--group-size 32"))):
+        code, _, err = run(capsys, "quantize", llama_folder, "--bits", "4", *args, "--act-bits", "4",
+                           "--act-group-size", "32", "--out", tmp_path / "bad")
+        assert_one_line_error(code, err, *words)
+    code, _, err = run(capsys, "quantize", llama_folder, "--bits", "4", "--group-size", "32", "--act-group-size",
+                       "32", "--out", tmp_path / "bad")
+    assert_one_line_error(code, err, "--act-group-size", "--act-bits")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_quantize_with_a_plan_file(capsys, llama_folder: Path, tmp_path: Path) -> None:
     plan = lq.Plan((lq.Rule(r".*\.mlp\..*", lq.parse_scheme("w4a16-g64")), lq.Rule(".*", lq.W8A16)))
     plan.save(tmp_path / "plan.json")

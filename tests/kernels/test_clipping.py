@@ -3,6 +3,7 @@ fractions and rounding no worse than at any; the native operator against the PyT
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -16,7 +17,7 @@ from llmeasyquant.kernels.clipping import (
     search_clip_reference,
 )
 from llmeasyquant.primitives import MIN_SCALE, clip_activations, fake_quantize
-from llmeasyquant.scheme import ActScheme, PerTensor, PerToken
+from llmeasyquant.scheme import ActScheme, PerGroup, PerTensor, PerToken
 
 HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 SEARCHES = [search_clip_reference, search_clip_activations]  # the second natively where it builds
@@ -71,6 +72,22 @@ def test_limit_activations_follows_the_scheme():
     assert torch.equal(limit_activations(x, ActScheme(bits=4, clip_search=True)),
                        search_clip_activations(x, 4, True, PerToken()))
     assert limit_activations(x, ActScheme(bits=4)) is x
+
+
+@pytest.mark.parametrize("width", [64, 100])  # whole groups, and a last group of 4 channels
+@pytest.mark.parametrize("search", [False, True])
+def test_activation_groups_are_clipped_each_on_its_own_range(width, search):
+    x = torch.randn(3, 5, width, generator=torch.Generator().manual_seed(width))
+    act = ActScheme(bits=4, symmetric=False, granularity=PerGroup(32), clip=1.0 if search else 0.8,
+                    clip_search=search)
+    found = limit_activations(x, act)
+    assert found.shape == x.shape
+    for first in range(0, width, 32):  # each group as a token of its own
+        group = x[..., first:first + 32].reshape(-1, min(32, width - first))
+        expected = (search_clip_activations(group, 4, False, PerToken()) if search
+                    else clip_activations(group, 0.8, False, PerToken()))
+        assert torch.equal(found[..., first:first + 32].reshape(group.shape), expected)
+    assert not torch.equal(found, limit_activations(x, dataclasses.replace(act, granularity=PerToken())))
 
 
 

@@ -36,7 +36,9 @@ W4_OTHER_GROUP = NATIVE_W4 or REFERENCE
 # W4A8 (dynamic per-token activations, groups a multiple of 8 wide) runs the native integer matmul.
 W4A8 = "cpu_native_w4a8" if native.ops() is not None else REFERENCE
 W4A8_SCHEMES = ["w4a8", "w4a8-asym", "w4a8-g32", "w4a8-g64", "w4a8-g64-asym", "w4a8-g128-asym", "w4a8-g8",
-                "w4a4-g64", "w4a4-asym", "w4a8-aasym", "w4a4-aasym-g64-asym", "w4a4-aasym-ac90-g32"]
+                "w4a4-g64", "w4a4-asym", "w4a8-aasym", "w4a4-aasym-g64-asym", "w4a4-aasym-ac90-g32",
+                # activation scales per token per weight group
+                "w4a4-ag64-g64", "w4a4-aasym-ag32-g32-asym", "w4a8-aasym-acs-ag64-g64"]
 
 
 @pytest.fixture(autouse=True)
@@ -148,6 +150,20 @@ def test_w4a8_tiles_hold_eight_columns_of_sixteen_channels_per_64_bytes():
     # Padding: columns 13..15 and channels 17..31 hold u = 8 (code 0).
     assert [int(b) >> 4 for b in lane[1:]] == [8, 8, 8]
     assert bool((tiled[1, :, 1:] == 0x88).all())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_activation_groups_round_closer_to_the_float_layer_than_one_scale_a_token(bits):
+    """Each 64 channels of a token on their own range: the outlier channels (make_input's every 13th) widen only
+    their groups' steps, so the integer product lands nearer the float activations' product with the same 4-bit
+    weights."""
+    weight, bias = make_weight(576, 192, seed=5)
+    x = make_input(16, 576)
+    layers = [QuantLinear.from_weight(weight, bias, parse_scheme(name)) for name in (f"w4a{bits}-g64",
+                                                                                     f"w4a{bits}-ag64-g64")]
+    exact = x @ layers[0].dequantize().t() + bias  # the weights' rounding is the same for both
+    errors = [rel_rms_err(layer(x), exact) for layer in layers]
+    assert errors[1] < 0.9 * errors[0]
 
 
 @pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g128-asym", "w3a16-g32", "w4a8-g64"])

@@ -66,7 +66,7 @@ def test_batched_greedy_equals_the_lean_decoder(engine_for, family):
         assert tokens == alone
 
 
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a16-g32", "w8a16", "w8a8+head", "w8a4-as1"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16-g32", "w8a16", "w8a8+head", "w8a4-as1", "w4a4-aasym-ag32-g32"])
 def test_eight_in_a_batch_equal_each_alone_on_the_reference_kernel(engine_for, monkeypatch, scheme):
     monkeypatch.setenv("LLMEASYQUANT_KERNEL", "reference")
     body, _, head = scheme.partition("+")

@@ -45,14 +45,14 @@ def _body_scheme_or_plan(args: argparse.Namespace, recipe: list):
     mode = act_mode(args)
     grid = getattr(args, "grid", None)
     clip, act_asym = getattr(args, "act_clip", 1.0), getattr(args, "act_asym", False)
-    sinks = getattr(args, "act_sinks", 0)
-    if ((args.bits, args.group_size, args.act_bits, mode, grid) == (None,) * 5 and not args.asym and clip == 1.0
-            and not act_asym and not sinks):
+    sinks, act_group_size = getattr(args, "act_sinks", 0), getattr(args, "act_group_size", None)
+    if ((args.bits, args.group_size, args.act_bits, mode, grid, act_group_size) == (None,) * 6 and not args.asym
+            and clip == 1.0 and not act_asym and not sinks):
         return default_scheme(recipe)
     return make_scheme(8 if args.bits is None else args.bits, args.group_size, not args.asym,
                        16 if args.act_bits is None else args.act_bits, act_mode=mode, grid=grid, act_clip=clip,
-                       act_symmetric=not act_asym, act_sinks=sinks, momentum=args.act_momentum, eps=args.act_eps,
-                       std_floor=args.act_std_floor)
+                       act_symmetric=not act_asym, act_sinks=sinks, act_group_size=act_group_size,
+                       momentum=args.act_momentum, eps=args.act_eps, std_floor=args.act_std_floor)
 
 
 def act_mode(args: argparse.Namespace) -> ActMode | None:
@@ -107,7 +107,8 @@ def apply_preset(args: argparse.Namespace) -> None:
              ("--online-attention-rotation", getattr(args, "online_attention_rotation", None)),
              ("--act-clip", None if getattr(args, "act_clip", 1.0) == 1.0 else args.act_clip),
              ("--act-asym", getattr(args, "act_asym", False) or None),
-             ("--act-sinks", getattr(args, "act_sinks", 0) or None))
+             ("--act-sinks", getattr(args, "act_sinks", 0) or None),
+             ("--act-group-size", getattr(args, "act_group_size", None)))
              if value is not None]
     for flag, mine, theirs in (("--lm-head", args.lm_head, chosen.lm_head), ("--kv-bits", args.kv_bits,
                                                                               chosen.kv_bits)):
@@ -122,6 +123,7 @@ def apply_preset(args: argparse.Namespace) -> None:
     args.act_clip = 1.0 if scheme.act is None else "search" if scheme.act.clip_search else scheme.act.clip
     args.act_asym = scheme.act is not None and not scheme.act.symmetric
     args.act_sinks = 0 if scheme.act is None else scheme.act.sinks
+    args.act_group_size = None if scheme.act is None else scheme.act.group_size
     args.grid, args.online_rotation = scheme.grid, chosen.online_rotation or None
     args.online_attention_rotation = chosen.online_attention or None
     args.lm_head = args.lm_head if chosen.lm_head is None else chosen.lm_head

@@ -46,6 +46,9 @@ def _input_args(scheme: QuantScheme, ct: object) -> object | None:
     act = scheme.act
     if act is None:
         return None
+    if act.mode is ActMode.DYNAMIC and act.group_size is not None:  # per token per group of channels
+        return ct.QuantizationArgs(num_bits=act.bits, type="int", symmetric=act.symmetric, strategy="group",
+                                   group_size=act.group_size, dynamic=True)
     if act.mode is ActMode.DYNAMIC:
         strategy = "tensor" if isinstance(act.granularity, PerTensor) else "token"
         return ct.QuantizationArgs(num_bits=act.bits, type="int", symmetric=act.symmetric, strategy=strategy,

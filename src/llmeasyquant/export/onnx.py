@@ -98,6 +98,10 @@ def _act_quant(name: str, layer: QuantLinear) -> ActQuant | None:
                           "activations to int8 only (QuantizeLinear's 4-bit types need opset 21 and are not run by "
                           "ONNX Runtime's CPU GEMMs): export a W4A8 or weight-only checkpoint, or use "
                           "`export --to compressed-tensors`")
+    if act.group_size is not None:
+        raise ConfigError(f"{name} scales its activations per token per {act.group_size} channels; the ONNX graph "
+                          "quantizes activations per token or per tensor: quantize without --act-group-size, or use "
+                          "`export --to compressed-tensors`")
     if act.mode is ActMode.DYNAMIC:
         return ActQuant(dynamic=True, symmetric=act.symmetric, per_token=isinstance(act.granularity, PerToken))
     layer.check_input_scale()

@@ -10,11 +10,14 @@ or for per-tensor clipping, and what the operator is tested against.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
 from llmeasyquant.kernels import native
-from llmeasyquant.primitives import MIN_SCALE, clip_activations, qrange
-from llmeasyquant.scheme import ActScheme, Granularity, PerTensor
+from llmeasyquant.primitives import MIN_SCALE, clip_activations, grouped_view, qrange
+from llmeasyquant.scheme import ActScheme, Granularity, PerTensor, PerToken
 
 # The fractions of a token's range the search tries. 1.0 (min-max) is one, so no token rounds worse than unclipped;
 # below 0.5 a 4-bit token would have to be far heavier-tailed than a rotated stream's.
@@ -61,9 +64,23 @@ def search_clip_activations(x: torch.Tensor, bits: int, symmetric: bool, granula
     return ops.search_clip_rows(rows, bits, symmetric, _FRACTIONS, MIN_SCALE).reshape(x.shape).to(x.dtype)
 
 
+@functools.cache
+def _per_token(act: ActScheme) -> ActScheme:
+    """`act` with one range a row: what each group, seen as a row, is clipped with (made once a scheme)."""
+    return dataclasses.replace(act, granularity=PerToken())
+
+
 def limit_activations(x: torch.Tensor, act: ActScheme) -> torch.Tensor:
     """x as a layer whose activations `act` describes hands it to its kernel: clipped to `act.clip` of each token's
-    range, or to the searched fraction (`act.clip_search`); x itself without clipping."""
+    range (of each group's, with activation groups), or to the searched fraction (`act.clip_search`); x itself
+    without clipping."""
+    if act.group_size is not None:
+        # Each group of a token is a row of its own: padded with zeros to whole groups (zero lies in every range and
+        # rounds exactly, so padding neither widens a range nor adds error), clipped as tokens are, cut back.
+        width = x.shape[-1]
+        rows = grouped_view(x.reshape(-1, width), act.group_size)
+        clipped = limit_activations(rows.reshape(-1, rows.shape[-1]), _per_token(act))
+        return clipped.reshape(rows.shape[0], -1)[:, :width].reshape(x.shape)
     if act.clip_search:
         return search_clip_activations(x, act.bits, act.symmetric, act.granularity)
     return clip_activations(x, act.clip, act.symmetric, act.granularity)

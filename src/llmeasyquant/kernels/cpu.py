@@ -24,8 +24,8 @@ import torch
 from llmeasyquant.grid import LEVELS, grid_levels
 from llmeasyquant.kernels import native
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS, scope
-from llmeasyquant.primitives import MIN_SCALE, pack_int4, qrange, quantize
-from llmeasyquant.scheme import ActMode, PerChannel, PerTensor, PerToken
+from llmeasyquant.primitives import MIN_SCALE, grouped_view, pack_int4, qrange, quantize
+from llmeasyquant.scheme import ActMode, PerChannel, PerGroup, PerTensor, PerToken
 
 _INT4_GROUPS = (32, 64, 128, 256)
 INT8PACK_ALIGNMENT = 16  # bytes: aten._weight_int8pack_mm reads its weight with aligned loads
@@ -327,15 +327,21 @@ class NativeInt4Int8Kernel:
 
     Asymmetric activations (codes q_x with a zero point z_x per token): the kernel multiplies q_x as they are, and
     s_x Σ_k (q_x - z_x) Ŵ_k = kernel(q_x) - s_x z_x Σ_k Ŵ_k, with Σ_k Ŵ_k (each output channel's dequantized weight
-    sum) computed once in prepare: one rank-1 correction, no second pass over the weights."""
+    sum) computed once in prepare: one rank-1 correction, no second pass over the weights.
+
+    Activation groups (`--act-group-size`, the weights' group size): one scale (and zero point) per token per group,
+    each group's int32 sum scaled by its weight scale times its activation scale; the zero points' correction is
+    then Σ_g s_x,g z_x,g Σ_{k in g} Ŵ_k, a [tokens, groups] x [groups, out] product with the per-group weight sums.
+    These take the VNNI loop (the AMX strips scale a row once)."""
 
     name = "cpu_native_w4a8"
 
     def supports(self, layer) -> bool:
         act = layer.scheme.act
         group_ok = layer.group_size % 8 == 0 or layer.group_size >= layer.in_features
+        # Activation groups are the weights' groups (the scheme checks); one that spans the row is one a token.
         return (layer.scheme.bits == 4 and act is not None and act.mode is ActMode.DYNAMIC
-                and isinstance(act.granularity, PerToken) and group_ok and native.ops() is not None)
+                and isinstance(act.granularity, PerToken | PerGroup) and group_ok and native.ops() is not None)
 
     def prepare(self, layer) -> dict:
         tiled = tile_int4_codes(layer.codes())
@@ -349,15 +355,20 @@ class NativeInt4Int8Kernel:
                     "scales": torch.nn.functional.pad(layer.scales.float().t(), (0, extra)).contiguous(),
                     "offsets": torch.nn.functional.pad(offsets.t(), (0, extra)).contiguous()}
         if not layer.scheme.act.symmetric:
-            prepared["weight_sums"] = layer.dequantize().sum(dim=1)
+            weight = layer.dequantize()
+            prepared["weight_sums"] = (weight.sum(dim=1) if layer.scheme.act.group_size is None
+                                       else grouped_view(weight, layer.group_size).sum(dim=2).t().contiguous())
         return prepared
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         ops = native.built()  # a layer that chose this kernel keeps it if the switch is turned off later
         act = layer.scheme.act
         with scope(QUANTIZE_ACTIVATIONS):
-            if act.symmetric:
-                qx, x_scale = ops.quantize_rows(x, MIN_SCALE, qrange(act.bits)[1])
+            if act.symmetric and (act.group_size is None or x.shape[1] % act.group_size == 0):
+                # Whole groups: each group of a token is a row of the fused quantizer's.
+                rows = x if act.group_size is None else x.reshape(-1, act.group_size)
+                qx, x_scale = ops.quantize_rows(rows, MIN_SCALE, qrange(act.bits)[1])
+                qx, x_scale = qx.reshape(x.shape), x_scale.reshape(x.shape[0], -1)
             else:
                 qp = layer.activation_qparams(x)
                 qx, x_scale = quantize(x, qp, act.bits), qp.scale
@@ -366,6 +377,8 @@ class NativeInt4Int8Kernel:
                                      layer.group_size, layer.out_features)
         if act.symmetric:
             return y
+        if act.group_size is not None:  # [tokens, groups] x [groups, out]
+            return y - (x_scale * qp.zero) @ prepared["weight_sums"]
         return y - (x_scale * qp.zero) * prepared["weight_sums"][None, :]
 
 

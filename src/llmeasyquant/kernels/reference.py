@@ -33,15 +33,19 @@ def integer_product(layer, x: torch.Tensor) -> torch.Tensor:
     with scope(QUANTIZE_ACTIVATIONS):
         qp = layer.activation_qparams(x)
         qx = quantize(x, qp, act.bits)
-    dx = _centred(qx, qp.zero, qp.group_size)  # [tokens, in]; activations are per token or per tensor
+    dx = _centred(qx, qp.zero, qp.group_size)  # [tokens, in]; per token, per tensor or per token per group
     with scope(LOAD_WEIGHTS):
         dw = _centred(layer.codes(), layer.zeros, layer.group_size)  # [out, in]
-    x_scale = qp.scale.expand(x.shape[0], 1)  # [tokens, 1]
     if layer.scales.shape[1] == 1:
+        x_scale = qp.scale.expand(x.shape[0], 1)  # [tokens, 1]
         return torch.mul((dx @ dw.t()).float(), x_scale) * layer.scales[:, 0].float()[None, :]
     # Group-wise weights: one exact integer sum per group, scaled per group, then summed.
     per_group = torch.einsum("tgk,ogk->tgo", grouped_view(dx, layer.group_size),
                              grouped_view(dw, layer.group_size))
+    if act.group_size is not None:  # activation groups are the weights' groups (the scheme checks): both scales
+        both = qp.scale.float()[:, :, None] * layer.scales.float().t()[None, :, :]  # [tokens, groups, out]
+        return (per_group.float() * both).sum(dim=1)
+    x_scale = qp.scale.expand(x.shape[0], 1)  # [tokens, 1]
     return torch.mul(torch.einsum("tgo,og->to", per_group.float(), layer.scales.float()), x_scale)
 
 

@@ -583,10 +583,12 @@ inline int32_t four_bytes(const int8_t* p) {
 // y[r, 16 T channels of tiles t..t+T-1] for R activation rows: per group, exact int32 sums of u * qx less the
 // offset times the group's activation sum, then scaled by the weight scales in fp32 and summed over groups; times the
 // row's scale. One group (per-channel weights): float(sum) * x_scale * w_scale, the reference kernel's order, bit
-// for bit. Each broadcast of 4 activation bytes serves T tiles, each unpacked block of weights R rows.
+// for bit. With activation groups (xg = groups scales a row, one per weight group) each group's sum is scaled by
+// its weight scale times its activation scale instead, and nothing after. Each broadcast of 4 activation bytes
+// serves T tiles, each unpacked block of weights R rows.
 template <int R, int T>
 void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t stride, const int32_t* sums,
-                const float* x_scales, float* y, int64_t out_stride) {
+                const float* x_scales, int64_t xg, float* y, int64_t out_stride) {
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
   __m512 total[T][R];
   __m512i acc[T][R];
@@ -619,7 +621,10 @@ void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t 
       for (int r = 0; r < R; ++r) {
         acc[k][r] = _mm512_sub_epi32(acc[k][r],
                                      _mm512_mullo_epi32(offset, _mm512_set1_epi32(sums[r * w.groups + g])));
-        if (w.groups > 1) total[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k][r]), scale, total[k][r]);
+        if (w.groups > 1) {
+          const __m512 both = xg > 1 ? _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[r * xg + g])) : scale;
+          total[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k][r]), both, total[k][r]);
+        }
       }
     }
   }
@@ -628,8 +633,8 @@ void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t 
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 scale = _mm512_loadu_ps(w.scales + (t + k) * 16);
     for (int r = 0; r < R; ++r) {
-      const __m512 xs = _mm512_set1_ps(x_scales[r]);
-      const __m512 result = w.groups > 1 ? _mm512_mul_ps(total[k][r], xs)
+      const __m512 xs = _mm512_set1_ps(xg > 1 ? 1.0f : x_scales[r]);
+      const __m512 result = w.groups > 1 ? (xg > 1 ? total[k][r] : _mm512_mul_ps(total[k][r], xs))
                                          : _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[k][r]), xs), scale);
       _mm512_mask_storeu_ps(y + r * out_stride + (t + k) * 16, mask, result);
     }
@@ -639,7 +644,7 @@ void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t 
 
 // The same arithmetic one value at a time, for CPUs without AVX-512.
 void w4a8_tile_scalar(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t* qx, int64_t stride,
-                      const int32_t* sums, const float* x_scales, float* y, int64_t out_stride) {
+                      const int32_t* sums, const float* x_scales, int64_t xg, float* y, int64_t out_stride) {
   const int64_t padded = w.tiles * 16;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < 16 && t * 16 + j < w.out; ++j) {
@@ -657,9 +662,10 @@ void w4a8_tile_scalar(const Int4TiledWeights& w, int64_t t, int64_t rows, const 
           }
         }
         acc -= w.offsets[g * padded + o] * sums[r * w.groups + g];
-        if (w.groups > 1) total = std::fma(static_cast<float>(acc), w.scales[g * padded + o], total);
+        const float both = xg > 1 ? w.scales[g * padded + o] * x_scales[r * xg + g] : w.scales[g * padded + o];
+        if (w.groups > 1) total = std::fma(static_cast<float>(acc), both, total);
       }
-      y[r * out_stride + o] = w.groups > 1 ? total * x_scales[r]
+      y[r * out_stride + o] = w.groups > 1 ? (xg > 1 ? total : total * x_scales[r])
                                            : static_cast<float>(acc) * x_scales[r] * w.scales[o];
     }
 }
@@ -680,19 +686,22 @@ constexpr int64_t kW4A8AmxRows = 32, kW4A8AmxTiles = 32;
 // Every row of y [rows, out] for tiles t..t+T-1: R rows per call, then the rest one at a time.
 template <int R, int T>
 void w4a8_rows(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t* qx, int64_t stride,
-               const int32_t* sums, const float* x_scales, float* y) {
+               const int32_t* sums, const float* x_scales, int64_t xg, float* y) {
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    w4a8_tiles<R, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r, y + r * w.out, w.out);
+    w4a8_tiles<R, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r * xg, xg, y + r * w.out,
+                     w.out);
   for (; r < rows; ++r)
-    w4a8_tiles<1, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r, y + r * w.out, w.out);
+    w4a8_tiles<1, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r * xg, xg, y + r * w.out,
+                     w.out);
 }
 #endif
 
 }  // namespace
 
-// qx: [rows, in] int8, x_scales: [rows, 1] fp32, tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16]
-// fp32, offsets: [groups, tiles * 16] int32 -> y: [rows, out] fp32
+// qx: [rows, in] int8, x_scales: [rows, 1] fp32 (or [rows, groups]: one activation scale per row and weight group),
+// tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16] fp32, offsets: [groups, tiles * 16] int32 ->
+// y: [rows, out] fp32
 // y = (qx times the int4 weights) scaled, as kernels/reference.py's integer product computes it: exact int32 sums
 // per group. group_size is a multiple of 8 (or covers the row); columns past `in` up to the block are zero in qx.
 // amx: 1 takes AMX's tiles (w4a8_amx.cpp, the same bits) for calls large enough to gain, 0 never, 2 whenever the CPU
@@ -705,7 +714,9 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
   check_cpu(tiled, at::kByte, "tiled");
   check_cpu(scales, at::kFloat, "scales");
   check_cpu(offsets, at::kInt, "offsets");
-  TORCH_CHECK(qx_dense.dim() == 2 && x_scales.numel() == qx_dense.size(0), "qx [rows, in] needs x_scales [rows, 1]");
+  TORCH_CHECK(qx_dense.dim() == 2 && (qx_dense.size(0) == 0 ? x_scales.numel() == 0
+                                                             : x_scales.numel() % qx_dense.size(0) == 0),
+              "qx [rows, in] needs x_scales [rows, 1] or [rows, groups]");
   TORCH_CHECK(tiled.dim() == 4 && tiled.size(2) == 16 && tiled.size(3) == 4, "tiled must be [tiles, blocks, 16, 4]");
   const int64_t rows = qx_dense.size(0), width = qx_dense.size(1), tiles = tiled.size(0), blocks = tiled.size(1);
   TORCH_CHECK(blocks == (width + 7) / 8, "tiled has ", blocks, " blocks of 8 columns, x has ", width, " columns");
@@ -717,6 +728,9 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == tiles * 16 &&
                   offsets.sizes() == scales.sizes(),
               "scales and offsets must be [groups, tiles * 16] = [", groups, ", ", tiles * 16, "]");
+  const int64_t xg = rows > 0 ? x_scales.numel() / rows : 1;  // activation scales a row: 1, or one a weight group
+  TORCH_CHECK(xg == 1 || (xg == groups && groups > 1), "x_scales must be [rows, 1] or [rows, groups] = [", rows,
+              ", ", groups, "], got ", xg, " a row");
   // Rows padded to whole blocks with zero codes.
   at::Tensor qx = qx_dense;
   if (width % 8 != 0) qx = at::constant_pad_nd(qx_dense, {0, blocks * 8 - width}, 0);
@@ -728,7 +742,8 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
   float* py = y.data_ptr<float>();
   const float* pxs = x_scales.data_ptr<float>();
   const bool large = rows >= kW4A8AmxRows && tiles >= kW4A8AmxTiles;
-  if ((amx == 2 || (amx == 1 && large)) && int4_int8_matmul_amx(w, pq, rows, stride, pxs, py)) return y;
+  // The AMX strips scale each row once (one activation scale a row); activation groups take the VNNI loop.
+  if (xg == 1 && (amx == 2 || (amx == 1 && large)) && int4_int8_matmul_amx(w, pq, rows, stride, pxs, py)) return y;
   // Each row's activation sum per group (the offsets' term).
   std::vector<int32_t> sums(rows * groups, 0);
   for_rows(rows, stride, [&](int64_t first, int64_t last) {
@@ -745,17 +760,17 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
     for (int64_t t = begin; t < end;) {
 #if defined(CPU_CAPABILITY_AVX512)
       if (rows < kW4A8PairRows && t + kW4A8DecodeTiles <= end) {
-        w4a8_rows<1, kW4A8DecodeTiles>(w, t, rows, pq, stride, sums.data(), pxs, py);
+        w4a8_rows<1, kW4A8DecodeTiles>(w, t, rows, pq, stride, sums.data(), pxs, xg, py);
         t += kW4A8DecodeTiles;
       } else if (t + 1 < end) {  // two tiles per broadcast of activations (fewer broadcasts per sum: measured faster)
-        w4a8_rows<kW4A8PairRows, 2>(w, t, rows, pq, stride, sums.data(), pxs, py);
+        w4a8_rows<kW4A8PairRows, 2>(w, t, rows, pq, stride, sums.data(), pxs, xg, py);
         t += 2;
       } else {
-        w4a8_rows<kW4A8Rows, 1>(w, t, rows, pq, stride, sums.data(), pxs, py);
+        w4a8_rows<kW4A8Rows, 1>(w, t, rows, pq, stride, sums.data(), pxs, xg, py);
         ++t;
       }
 #else
-      w4a8_tile_scalar(w, t, rows, pq, stride, sums.data(), pxs, py, out_features);
+      w4a8_tile_scalar(w, t, rows, pq, stride, sums.data(), pxs, xg, py, out_features);
       ++t;
 #endif
     }

@@ -28,7 +28,7 @@ class TritonW8A8Kernel:
     def supports(self, layer) -> bool:
         act = layer.scheme.act
         return (layer.scheme.bits == 8 and act is not None and act.bits == 8 and layer.scales.shape[1] == 1
-                and can_launch(layer.qweight))
+                and act.group_size is None and can_launch(layer.qweight))
 
     def prepare(self, layer) -> PreparedInt8Weight:
         from llmeasyquant.kernels.triton import w8a8
