@@ -315,6 +315,23 @@ def test_n_choices_streamed_interleave_tagged_with_their_index(client: TestClien
             assert streamed_logprobs(chunks, choice["index"]) == choice["logprobs"]
 
 
+def test_choices_whose_events_wait_already_take_turns() -> None:
+    """A reader that starts after the engine queued several events of each choice still interleaves them."""
+    import asyncio
+
+    from llmeasyquant.runtime.engine import RequestStream
+    from llmeasyquant.serving.app import _merged
+
+    async def order() -> list[int]:
+        streams = [RequestStream(f"cmpl-{i}", 3) for i in range(3)]
+        for stream in streams:
+            for k in range(4):
+                stream.push(TokenEvent("x", (k,), 3, k + 1, "length" if k == 3 else None))
+        return [index async for index, _ in _merged(streams)]
+
+    assert asyncio.run(asyncio.wait_for(order(), timeout=10)) == [0, 1, 2] * 4
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_choice_that_fails_cancels_the_others(client: TestClient, engine: Engine,
                                                  monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:

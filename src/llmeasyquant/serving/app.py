@@ -359,6 +359,9 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Toke
         try:
             async for event in stream:
                 arrived.put_nowait((index, event))
+                # A stream's events may be queued already (a reader that starts late): taking one at a time, the
+                # readers take turns, so no choice's backlog goes out whole before the others' first chunks.
+                await asyncio.sleep(0)
         except Exception as exc:  # a reader that fails must not leave the merge waiting forever
             arrived.put_nowait((index, exc))
 
