@@ -66,8 +66,19 @@ def test_generate_stop_strings_and_seeded_sampling(capsys, folder: Path, engine:
     assert sampled[0] == sampled[1]
 
 
+def test_generate_with_penalties_prints_the_engines_text(capsys, folder: Path, engine: Engine) -> None:
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.5}
+    code, out, err = run(capsys, "generate", folder, "--prompt", PROMPT, "--max-new-tokens", 16, "--ignore-eos",
+                         "--presence-penalty", 0.5, "--frequency-penalty", 1.5, *KV)
+    assert code == 0, err
+    expected = greedy(engine, PROMPT, 16, ignore_eos=True, **penalties).text
+    assert out == expected + "\n"
+    assert expected != greedy(engine, PROMPT, 16, ignore_eos=True).text  # the penalties changed the text
+
+
 @pytest.mark.parametrize(("option", "value"), [("--temperature", "3"), ("--top-p", "0"), ("--top-k", "-1"),
-                                               ("--max-new-tokens", "0")])
+                                               ("--max-new-tokens", "0"), ("--presence-penalty", "2.5"),
+                                               ("--frequency-penalty", "-3")])
 def test_generate_refuses_options_out_of_range(capsys, option: str, value: str) -> None:
     # The model does not exist: the option must fail first, before anything is loaded.
     code, _, err = run(capsys, "generate", "no-such-model", "--prompt", "x", option, value)

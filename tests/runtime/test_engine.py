@@ -289,3 +289,160 @@ def test_online_rotated_model_serves_the_tokens_of_the_eval_path(engine_for, mon
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                                   pad_token_id=0)[0, len(prompt):].tolist()
         assert tokens == expected
+
+
+# logit_bias, penalties, log probabilities, n ---------------------------------------------------------------------
+
+
+@torch.no_grad()
+def reference_decode(model: torch.nn.Module, prompt: list[int], params: SamplingParams,
+                     tokens: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Decoding by the model's own forward over the whole sequence at every step, with logit_bias and the penalties
+    written out as OpenAI defines them (in float64): the tokens (greedy, or `tokens` when given) and each step's
+    log-softmax of those logits."""
+    bias = dict(params.logit_bias)
+    chosen: list[int] = []
+    logprobs = []
+    for step in range(params.max_tokens if tokens is None else len(tokens)):
+        logits = model(torch.tensor([prompt + chosen])).logits[0, -1].double()
+        for token, value in bias.items():
+            logits[token] += value
+        for token in set(chosen):
+            logits[token] -= params.presence_penalty + params.frequency_penalty * chosen.count(token)
+        logprobs.append(logits.log_softmax(-1))
+        chosen.append(int(logits.argmax()) if tokens is None else tokens[step])
+    return chosen, logprobs
+
+
+def test_bias_and_penalties_decode_as_the_reference(engine_for):
+    model = lively()
+    engine = engine_for(model, kv_dtype="float32")
+    prompt = prompts(2)[1]
+    plain = engine.generate(prompt, GREEDY).token_ids
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, presence_penalty=0.4,
+                            frequency_penalty=0.6, logit_bias={plain[0]: -100.0, 77: 2.0, 78: -1.5})
+    shaped = engine.generate(prompt, params).token_ids
+    assert shaped == reference_decode(model, prompt, params)[0]
+    assert shaped != plain and plain[0] not in shaped
+    forced = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logit_bias={77: 100})
+    assert engine.generate(prompt, forced).token_ids == [77] * 5
+
+
+def test_logprobs_are_the_models_log_softmax_before_temperature(engine_for):
+    model = lively()
+    engine = engine_for(model, kv_dtype="float32")
+    prompt = prompts(3)[2]
+    for params in (SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5),
+                   SamplingParams(max_tokens=10, temperature=1.5, top_k=5, seed=3, ignore_eos=True, logprobs=5,
+                                  logit_bias={9: 3.0}, frequency_penalty=1.0)):
+        result = engine.generate(prompt, params)
+        tokens = result.token_ids
+        _, reference = reference_decode(model, prompt, params, tokens)
+        assert [entry.token for entry in result.logprobs] == tokens
+        for entry, logprobs in zip(result.logprobs, reference, strict=True):
+            assert entry.logprob == pytest.approx(logprobs[entry.token].item(), abs=1e-4)
+            values, ids = logprobs.topk(5)
+            assert [token for token, _ in entry.top] == ids.tolist()
+            assert [value for _, value in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+        offsets = [entry.offset for entry in result.logprobs]
+        assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(result.text)
+
+
+@pytest.mark.parametrize("options", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}])
+def test_plain_requests_decode_the_same_beside_shaped_ones_and_logprobs_change_no_token(engine_for, options):
+    engine = engine_for(lively(), kv_dtype="float32")
+    batch = prompts(4)
+    plain = SamplingParams(max_tokens=10, ignore_eos=True, **options)
+    alone = run_all(engine, batch, plain)
+    streams = [engine.submit(p, plain) for p in batch[:2]]
+    # (Sampled from the tiny model's flat distribution, tokens seldom repeat: a bias makes the penalty show.)
+    penalised = {"frequency_penalty": 1.5} if plain.greedy else {"presence_penalty": -2.0, "logit_bias": {60: 4.0}}
+    streams += [engine.submit(batch[2], SamplingParams(**{**plain.__dict__, **penalised})),
+                engine.submit(batch[3], SamplingParams(**{**plain.__dict__, "logit_bias": {50: 9.0}}))]
+    mixed = [[t for event in stream for t in event.token_ids] for stream in streams]
+    assert mixed[:2] == alone[:2]
+    assert mixed[2] != alone[2] and mixed[3] != alone[3]
+    asking = run_all(engine, batch, SamplingParams(**{**plain.__dict__, "logprobs": 3}))
+    assert asking == alone
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["at-a-token", "inside-a-token"])
+def test_logprobs_with_a_stop_string_cover_exactly_the_text_shown(engine_for, inside):
+    engine = engine_for(lively(), kv_dtype="float32")
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    free = engine.generate(prompt, params)
+    assert len(free.logprobs) == 30
+    # A stop string that starts where token k's text does (k and the tokens after it are cut off), or one
+    # character into it (token k shows in part: it stays).
+    k = next(i for i in range(4, 29) if free.logprobs[i + 1].offset - free.logprobs[i].offset >= 2)
+    cut_at = free.logprobs[k].offset + inside
+    stop = free.text[cut_at:cut_at + 3]
+    assert free.text.index(stop) == cut_at, "the stop string should not appear earlier"
+    stream = engine.submit(prompt, SamplingParams(**{**params.__dict__, "stop": (stop,)}))
+    events = list(stream)
+    text = "".join(event.text for event in events)
+    sent = [entry for event in events for entry in event.logprobs]
+    assert text == free.text[:cut_at] and events[-1].finish_reason == "stop"
+    # The tokens whose text starts before the stop string, each once, in order; none of those it cut off.
+    assert sent == free.logprobs[:k + inside]
+    assert events[-1].completion_tokens > k + inside
+    shown = 0
+    for event in events:  # never ahead of the text: a token's text is out when its log probability is
+        shown += len(event.text)
+        assert all(entry.offset < shown for entry in event.logprobs)
+
+
+def test_logprobs_held_back_with_a_stop_prefix_come_once_in_order(engine_for):
+    engine = engine_for(lively(), kv_dtype="float32")
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1)
+    free = engine.generate(prompt, params)
+    k = next(i for i in range(3, 19) if free.logprobs[i + 1].offset > free.logprobs[i].offset)
+    held = free.text[free.logprobs[k].offset:free.logprobs[k + 1].offset]
+    # Token k's text followed by a character that never comes: its text is held back, then let go with the next.
+    events = list(engine.submit(prompt, SamplingParams(**{**params.__dict__, "stop": (held + "\x07",)})))
+    assert "".join(event.text for event in events) == free.text
+    assert [entry for event in events for entry in event.logprobs] == free.logprobs
+    sizes = [len(event.logprobs) for event in events]
+    assert sizes[k] == 0 and events[k].text == "" and sizes[k + 1] == 2
+
+
+def test_n_completions_are_n_sequences_seeded_seed_plus_index(engine_for):
+    engine = engine_for(lively(), kv_dtype="float32")
+    prompt = [5, 6, 7]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=21, ignore_eos=True)
+    streams = engine.submit_many(prompt, params, 3)
+    assert len({stream.id for stream in streams}) == 3
+    choices = [[t for event in stream for t in event.token_ids] for stream in streams]
+    singles = [run_all(engine, [prompt], SamplingParams(**{**params.__dict__, "seed": 21 + i}))[0] for i in range(3)]
+    assert choices == singles
+    assert len({tuple(c) for c in choices}) == 3
+    assert engine.submit_many(prompt, params, 3) and choices == \
+        [[t for event in stream for t in event.token_ids] for stream in engine.submit_many(prompt, params, 3)]
+    greedy = engine.submit_many(prompt, GREEDY, 2)
+    assert len({tuple(t for event in stream for t in event.token_ids) for stream in greedy}) == 1
+
+
+def test_n_completions_are_all_queued_or_none(engine_for):
+    engine = engine_for(lively(), max_running=1, max_queue=2)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for bad in (0, 4, 17, True):  # 4: more than max_running + max_queue could ever hold
+        with pytest.raises(RequestError) as error:
+            engine.submit_many([5, 6, 7], long, bad)
+        assert error.value.param == "n"
+    with engine._lock:  # hold the loop so that nothing is admitted while the queue fills
+        streams = engine.submit_many([5, 6, 7], long, 3)  # one would start at once, two wait
+        for n in (1, 2):
+            with pytest.raises(QueueFull, match="retry"):
+                engine.submit_many([5, 6, 7], long, n)
+        assert engine.stats().waiting == 3  # nothing of the refused requests was queued
+    assert [[e for e in stream][-1].finish_reason for stream in streams] == ["length"] * 3
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_with_the_range(engine_for):
+    engine = engine_for(lively())
+    with pytest.raises(RequestError, match=r"300.*0\.\.255") as error:
+        engine.submit([5, 6], SamplingParams(logit_bias={300: 1.0}))
+    assert error.value.param == "logit_bias"
+    assert engine.generate([5, 6, 7], GREEDY).completion_tokens == 12  # and it still serves

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ pytest.importorskip("fastapi", reason="pip install -e '.[serve]'")
 from fastapi.testclient import TestClient
 
 from llmeasyquant.runtime.engine import Engine, EngineConfig
-from llmeasyquant.runtime.requests import EngineStopped, QueueFull, SamplingParams
+from llmeasyquant.runtime.requests import EngineStopped, QueueFull, SamplingParams, TokenEvent
 from llmeasyquant.serving.app import build_app
 from serving_helpers import make_chat_folder, metric_samples, requests_by, sse_chunks
 
@@ -138,6 +139,252 @@ def test_models_health_and_the_model_card(client: TestClient) -> None:
     assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["model"] == NAME
 
 
+# logit_bias, penalties, log probabilities, n --------------------------------------------------------------------
+
+
+def greedy(engine: Engine, prompt: str | list[int], max_tokens: int, **options: object):
+    return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                  **options))
+
+
+def streamed_logprobs(chunks: list[dict], index: int = 0) -> dict[str, list]:
+    """The completions logprobs of one choice's chunks, joined."""
+    joined: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            if choice["index"] == index and choice["logprobs"] is not None:
+                for key, values in choice["logprobs"].items():
+                    joined[key] += values
+    return joined
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 4}], ids=["greedy", "seeded"])
+def test_requests_without_the_new_options_answer_as_before(client: TestClient, engine: Engine,
+                                                            sampling: dict) -> None:
+    bare = client.post("/v1/completions", json=completion(max_tokens=10, ignore_eos=True, **sampling)).json()
+    # Their defaults sent explicitly, as some clients do, change nothing either.
+    explicit = client.post("/v1/completions", json=completion(
+        max_tokens=10, ignore_eos=True, n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={},
+        logprobs=None, best_of=1, **sampling)).json()
+    assert explicit["choices"] == bare["choices"] and explicit["usage"] == bare["usage"]
+    [choice] = bare["choices"]
+    assert choice["logprobs"] is None and choice["index"] == 0
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **({"temperature": 0.0} | sampling))
+    assert choice["text"] == engine.generate(PROMPT, params).text
+    chat_bare = client.post("/v1/chat/completions", json=chat(**sampling)).json()
+    chat_explicit = client.post("/v1/chat/completions", json=chat(logprobs=False, n=1, **sampling)).json()
+    assert chat_explicit["choices"] == chat_bare["choices"] and chat_bare["choices"][0]["logprobs"] is None
+
+
+def test_logit_bias_and_penalties_are_the_engines(client: TestClient, engine: Engine) -> None:
+    [fox] = engine.tokenizer(" fox", add_special_tokens=False)["input_ids"][-1:]
+    forced = client.post("/v1/completions", json=completion(max_tokens=4, ignore_eos=True,
+                                                            logit_bias={str(fox): 100})).json()
+    assert forced["choices"][0]["text"] == greedy(engine, PROMPT, 4, logit_bias={fox: 100.0}).text
+    assert greedy(engine, PROMPT, 4, logit_bias={fox: 100.0}).token_ids == [fox] * 4
+    options = {"presence_penalty": 0.5, "frequency_penalty": 1.5}
+    penalised = client.post("/v1/completions", json=completion(max_tokens=16, ignore_eos=True, **options)).json()
+    text = penalised["choices"][0]["text"]
+    assert text == greedy(engine, PROMPT, 16, **options).text
+    assert text != greedy(engine, PROMPT, 16).text  # the penalties changed the answer
+    chat_text = client.post("/v1/chat/completions", json=chat(max_tokens=16, ignore_eos=True, **options)).json()
+    ids = engine.chat_prompt([{"role": "user", "content": "hello there"}])
+    assert chat_text["choices"][0]["message"]["content"] == greedy(engine, ids, 16, **options).text
+
+
+def test_completion_logprobs_whole_and_streamed(client: TestClient, engine: Engine) -> None:
+    body = completion(max_tokens=10, ignore_eos=True, logprobs=3)
+    whole = client.post("/v1/completions", json=body).json()
+    [choice] = whole["choices"]
+    logprobs = choice["logprobs"]
+    alone = greedy(engine, PROMPT, 10, logprobs=3)
+    pieces = engine.token_pieces
+    assert logprobs["tokens"] == [pieces.text(t) for t in alone.token_ids]
+    assert logprobs["token_logprobs"] == [entry.logprob for entry in alone.logprobs]
+    assert logprobs["text_offset"] == [entry.offset for entry in alone.logprobs]
+    assert choice["text"] == alone.text and len(logprobs["tokens"]) == whole["usage"]["completion_tokens"] == 10
+    for entry, top in zip(alone.logprobs, logprobs["top_logprobs"], strict=True):
+        # The 3 likeliest, likeliest first, and the generated token always among them (OpenAI's up to logprobs+1).
+        expected = {pieces.text(t): value for t, value in entry.top}
+        expected.setdefault(pieces.text(entry.token), entry.logprob)
+        assert top == expected and list(top.values())[:3] == sorted(list(top.values())[:3], reverse=True)
+        assert 3 <= len(top) <= 4
+    chunks, last = sse_chunks(client.post("/v1/completions", json=body | {"stream": True}).text)
+    assert last == "[DONE]"
+    assert streamed_logprobs(chunks) == logprobs
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    shown = 0
+    for chunk in chunks:  # each chunk carries the log probabilities of the tokens whose text it carries
+        [part] = chunk["choices"]
+        shown += len(part["text"])
+        assert all(offset < shown for offset in (part["logprobs"] or {}).get("text_offset", []))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"][0]["logprobs"] is None
+    zero = client.post("/v1/completions", json=completion(max_tokens=3, logprobs=0)).json()["choices"][0]
+    assert [list(top) for top in zero["logprobs"]["top_logprobs"]] == [[t] for t in zero["logprobs"]["tokens"]]
+
+
+def test_chat_logprobs_whole_and_streamed(client: TestClient, engine: Engine) -> None:
+    body = chat(max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
+    whole = client.post("/v1/chat/completions", json=body).json()
+    [choice] = whole["choices"]
+    assert set(choice["logprobs"]) == {"content", "refusal"}
+    content = choice["logprobs"]["content"]
+    ids = engine.chat_prompt([{"role": "user", "content": "hello there"}])
+    alone = greedy(engine, ids, 8, logprobs=2)
+    pieces = engine.token_pieces
+    assert [item["token"] for item in content] == [pieces.text(t) for t in alone.token_ids]
+    assert [item["logprob"] for item in content] == [entry.logprob for entry in alone.logprobs]
+    for item, entry in zip(content, alone.logprobs, strict=True):
+        assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert item["bytes"] == list(pieces.bytes(entry.token)) == list(item["token"].encode())
+        assert [(top["token"], top["logprob"]) for top in item["top_logprobs"]] == \
+            [(pieces.text(t), value) for t, value in entry.top]
+        assert len(item["top_logprobs"]) == 2 and item["top_logprobs"][0]["logprob"] >= item["logprob"]
+    chunks, _ = sse_chunks(client.post("/v1/chat/completions", json=body | {"stream": True}).text)
+    streamed = [item for c in chunks if c["choices"][0]["logprobs"] for item in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == content
+    plain = client.post("/v1/chat/completions", json=chat(max_tokens=4, logprobs=True)).json()
+    assert [item["top_logprobs"] for item in plain["choices"][0]["logprobs"]["content"]] == [[]] * 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_with_a_stop_string_leave_out_the_tokens_it_cut(client: TestClient, engine: Engine,
+                                                                    stream: bool) -> None:
+    varied = {"frequency_penalty": 1.5, "presence_penalty": 0.5}  # the tiny model alone repeats one token
+    free = greedy(engine, PROMPT, 24, logprobs=0, **varied)
+    offsets = [entry.offset for entry in free.logprobs]
+    k = next(i for i in range(3, 23) if offsets[i + 1] - offsets[i] >= 2 and
+             free.text.index(free.text[offsets[i]:offsets[i] + 2]) == offsets[i])
+    stop = free.text[offsets[k]:offsets[k] + 2]  # token k starts it: k and what follows are cut off
+    body = completion(max_tokens=24, ignore_eos=True, logprobs=0, stop=stop, stream=stream, **varied)
+    response = client.post("/v1/completions", json=body)
+    if stream:
+        chunks, _ = sse_chunks(response.text)
+        text, logprobs = "".join(c["choices"][0]["text"] for c in chunks), streamed_logprobs(chunks)
+    else:
+        choice = response.json()["choices"][0]
+        text, logprobs = choice["text"], choice["logprobs"]
+    assert text == free.text[:offsets[k]]
+    assert logprobs["tokens"] == [engine.token_pieces.text(t) for t in free.token_ids[:k]]
+    assert logprobs["text_offset"] == offsets[:k]
+
+
+def test_n_choices_whole(client: TestClient) -> None:
+    options = {"max_tokens": 6, "ignore_eos": True, "temperature": 1.0}
+    whole = client.post("/v1/completions", json=completion(n=3, seed=11, **options)).json()
+    choices = whole["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    # Choice i is what n=1 gives with seed + i: the request repeats, and its choices differ.
+    singles = [client.post("/v1/completions", json=completion(seed=11 + i, **options)).json() for i in range(3)]
+    assert [c["text"] for c in choices] == [s["choices"][0]["text"] for s in singles]
+    assert len({c["text"] for c in choices}) == 3
+    assert whole["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]  # counted once
+    assert whole["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles) == 18
+    again = client.post("/v1/completions", json=completion(n=3, seed=11, **options)).json()
+    assert again["choices"] == choices
+    chat_whole = client.post("/v1/chat/completions", json=chat(n=2, logprobs=True)).json()
+    assert [c["index"] for c in chat_whole["choices"]] == [0, 1]
+    assert chat_whole["choices"][0]["message"] == chat_whole["choices"][1]["message"]  # greedy: the same twice
+    assert all(len(c["logprobs"]["content"]) == chat_whole["usage"]["completion_tokens"] // 2
+               for c in chat_whole["choices"])
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_n_choices_streamed_interleave_tagged_with_their_index(client: TestClient, endpoint: str) -> None:
+    make = completion if endpoint == "completions" else chat
+    body = make(max_tokens=8, ignore_eos=True, temperature=1.0, seed=5, n=3, logprobs=True if make is chat else 1)
+    whole = client.post(f"/v1/{endpoint}", json=body).json()
+    chunks, last = sse_chunks(client.post(f"/v1/{endpoint}", json=body | {
+        "stream": True, "stream_options": {"include_usage": True}}).text)
+    assert last == "[DONE]"
+    *chunks, usage = chunks
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    indices = [c["choices"][0]["index"] for c in chunks]
+    assert set(indices) == {0, 1, 2} and indices != sorted(indices)  # interleaved as the engine decodes them
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert [m["finish_reason"] for m in mine if m["finish_reason"]] == [choice["finish_reason"]]
+        if make is chat:
+            assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+            assert "".join(m["delta"].get("content", "") for m in mine) == choice["message"]["content"]
+            assert [i for m in mine if m["logprobs"] for i in m["logprobs"]["content"]] == \
+                choice["logprobs"]["content"]
+        else:
+            assert "".join(m["text"] for m in mine) == choice["text"]
+            assert streamed_logprobs(chunks, choice["index"]) == choice["logprobs"]
+
+
+def test_choices_whose_events_wait_already_take_turns() -> None:
+    """A reader that starts after the engine queued several events of each choice still interleaves them."""
+    import asyncio
+
+    from llmeasyquant.runtime.engine import RequestStream
+    from llmeasyquant.serving.app import _merged
+
+    async def order() -> list[int]:
+        streams = [RequestStream(f"cmpl-{i}", 3) for i in range(3)]
+        for stream in streams:
+            for k in range(4):
+                stream.push(TokenEvent("x", (k,), 3, k + 1, "length" if k == 3 else None))
+        return [index async for index, _ in _merged(streams)]
+
+    assert asyncio.run(asyncio.wait_for(order(), timeout=10)) == [0, 1, 2] * 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_choice_that_fails_cancels_the_others(client: TestClient, engine: Engine,
+                                                 monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    made: list = []
+    submit_many = engine.submit_many
+
+    def one_fails(prompt, params, n=1):
+        streams = submit_many(prompt, params, n)
+        made.extend(streams)
+        # What the engine pushes when a step fails, to one choice only: the others must not run on.
+        streams[1].push(TokenEvent("", (), streams[1].prompt_tokens, 0, "error"))
+        streams[1].cancel()
+        return streams
+
+    monkeypatch.setattr(engine, "submit_many", one_fails)
+    body = completion(max_tokens=200, ignore_eos=True, n=3, stream=stream)
+    response = client.post("/v1/completions", json=body)
+    if stream:
+        payloads, last = sse_chunks(response.text)
+        assert last == "[DONE]" and payloads[-1]["error"]["code"] == "decode_failed"
+    else:
+        assert response.status_code == 500 and response.json()["error"]["code"] == "decode_failed"
+    assert len(made) == 3 and all(s.cancelled for s in made)
+    monkeypatch.undo()
+    wait_for(lambda: engine.stats().running == 0)  # the engine ends cancelled sequences at its next step
+    assert engine.stats().blocks_used == 0
+    assert all(s.finished for s in made)
+    assert client.post("/v1/completions", json=completion(max_tokens=2)).status_code == 200
+
+
+def test_n_choices_are_all_queued_or_refused_with_429(folder: Path) -> None:
+    engine = Engine.load(str(folder), EngineConfig(kv_memory_mb=4, max_running=1, max_queue=1,
+                                                   max_context=CONTEXT), NAME)
+    with TestClient(build_app(engine, NAME)) as client:
+        running = engine.submit([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        wait_for(lambda: engine.stats().running == 1)  # it holds the one running slot
+        refused = client.post("/v1/completions", json=completion(n=2))  # one could wait, the other not
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        assert engine.stats().waiting == 0  # neither choice was queued
+        running.cancel()
+        wait_for(lambda: engine.stats().running == 0)
+        whole = client.post("/v1/completions", json=completion(n=2))  # one runs, the other waits its turn
+        assert whole.status_code == 200 and len(whole.json()["choices"]) == 2
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> None:
+    """Poll condition() every 50 ms, at most timeout_s; fail if it never holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.05)
+
+
 # bad input -------------------------------------------------------------------------------------------------------
 
 TOO_LONG = " ".join(["the quick brown fox"] * 200)
@@ -150,7 +397,10 @@ BAD = [  # (endpoint, body, status, param, code or None to skip, words the messa
     ("completions", completion(temperature=-0.1), 400, "temperature", None, "[0, 2]"),
     ("completions", completion(top_p=0), 400, "top_p", None, "(0, 1]"),
     ("completions", completion(top_p=1.5), 400, "top_p", None, "(0, 1]"),
-    ("completions", completion(n=2), 400, "n", "unsupported", "n=1"),
+    ("completions", completion(n=17), 400, "n", "invalid_value", "[1, 16]"),
+    ("completions", completion(n=0), 400, "n", "invalid_value", "[1, 16]"),
+    ("completions", completion(n=9), 400, "n", None, "at most 8"),  # past max_running + max_queue
+    ("completions", completion(n=2.0), 400, "n", "int_type", "integer"),
     ("completions", completion(max_tokens="8"), 400, "max_tokens", "int_type", "integer"),
     ("completions", completion(temperature="hot"), 400, "temperature", "float_type", "number"),
     ("completions", completion(stream="yes"), 400, "stream", "bool_type", "boolean"),
@@ -162,10 +412,25 @@ BAD = [  # (endpoint, body, status, param, code or None to skip, words the messa
     ("completions", completion(12), 400, "prompt", None, "string"),
     ("completions", completion([5, 999_999]), 400, "prompt", None, "vocabulary"),
     ("completions", completion(echo=True), 400, "echo", "unsupported", "echo"),
-    ("completions", completion(logprobs=2), 400, "logprobs", "unsupported", "logprobs"),
+    ("completions", completion(logprobs=21), 400, "logprobs", "invalid_value", "[0, 20]"),
+    ("completions", completion(logprobs=-1), 400, "logprobs", "invalid_value", "[0, 20]"),
+    ("completions", completion(logprobs=True), 400, "logprobs", "int_type", "integer"),
     ("completions", completion(best_of=3), 400, "best_of", "unsupported", "best_of"),
+    ("completions", completion(best_of=1, n=2), 400, "best_of", "invalid_value", "at least n"),
     ("completions", completion(suffix="!"), 400, "suffix", "unsupported", "suffix"),
-    ("completions", completion(presence_penalty=0.5), 400, "presence_penalty", "unsupported", "presence_penalty"),
+    ("completions", completion(presence_penalty=2.5), 400, "presence_penalty", None, "[-2, 2]"),
+    ("completions", completion(frequency_penalty=-2.1), 400, "frequency_penalty", None, "[-2, 2]"),
+    ("completions", completion(frequency_penalty="1"), 400, "frequency_penalty", "float_type", "number"),
+    ("completions", completion(logit_bias={"abc": 1}), 400, "logit_bias", "invalid_value", "'abc'"),
+    ("completions", completion(logit_bias={"12.5": 1}), 400, "logit_bias", "invalid_value", "0..255"),
+    ("completions", completion(logit_bias={"256": 1}), 400, "logit_bias", "invalid_value", "'256'"),
+    ("completions", completion(logit_bias={"-1": 1}), 400, "logit_bias", "invalid_value", "0..255"),
+    ("completions", completion(logit_bias={"5": 100.5}), 400, "logit_bias", None, "[-100, 100]"),
+    ("completions", completion(logit_bias={"5": "1"}), 400, "logit_bias.5", "float_type", "number"),
+    ("completions", completion(logit_bias={str(i): 1 for i in range(301)}), 400, "logit_bias", "invalid_value",
+     "at most 300"),
+    ("completions", completion(logit_bias={f"{'0' * (i // 250)}{i % 250}": 1 for i in range(301)}), 400,
+     "logit_bias", "invalid_value", "at most 300"),  # 301 keys as sent, 250 token ids
     ("completions", completion(stop=["a", "b", "c", "d", "e"]), 400, "stop", None, "4"),
     ("completions", completion(stream_options={"include_usage": True}), 400, "stream_options", None, "stream"),
     ("completions", completion(repetition_penalty=1.2), 400, "repetition_penalty", "extra_forbidden",
@@ -179,10 +444,14 @@ BAD = [  # (endpoint, body, status, param, code or None to skip, words the messa
     ("chat/completions", chat(messages="hello"), 400, "messages", "list_type", "list"),
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
      "unsupported", "tools"),
-    ("chat/completions", chat(logprobs=True), 400, "logprobs", "unsupported", "logprobs"),
+    ("chat/completions", chat(top_logprobs=2), 400, "top_logprobs", "invalid_value", "logprobs set to true"),
+    ("chat/completions", chat(logprobs=False, top_logprobs=0), 400, "top_logprobs", "invalid_value", "logprobs"),
+    ("chat/completions", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value", "[0, 20]"),
+    ("chat/completions", chat(logprobs=3), 400, "logprobs", "bool_type", "boolean"),
+    ("chat/completions", chat(presence_penalty=-3), 400, "presence_penalty", None, "[-2, 2]"),
     ("chat/completions", chat(response_format={"type": "json_object"}), 400, "response_format", "unsupported",
      "json_object"),
-    ("chat/completions", chat(n=3), 400, "n", "unsupported", "n=1"),
+    ("chat/completions", chat(n=17), 400, "n", "invalid_value", "[1, 16]"),
     ("chat/completions", chat(max_tokens=0), 400, "max_tokens", None, "max_tokens"),
     ("chat/completions", chat(TOO_LONG), 400, "prompt", "context_length_exceeded", "prompt"),
 ]
@@ -242,7 +511,7 @@ def test_queue_full_is_429_with_retry_after(client: TestClient, engine: Engine,
     def full(*_: object) -> None:
         raise QueueFull("4 requests are running and 4 waiting; retry later", retry_after_s=2.5)
 
-    monkeypatch.setattr(engine, "submit", full)
+    monkeypatch.setattr(engine, "submit_many", full)
     response = client.post("/v1/completions", json=completion())
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "3"
@@ -253,7 +522,7 @@ def test_a_stopped_engine_is_503(client: TestClient, engine: Engine, monkeypatch
     def stopped(*_: object) -> None:
         raise EngineStopped("the server is shutting down and takes no new request")
 
-    monkeypatch.setattr(engine, "submit", stopped)
+    monkeypatch.setattr(engine, "submit_many", stopped)
     response = client.post("/v1/chat/completions", json=chat())
     assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
 

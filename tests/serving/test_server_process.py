@@ -168,6 +168,57 @@ def test_the_openai_client_sees_errors_as_its_own_exceptions(server: Server) -> 
     assert bad.value.body["param"] == "temperature"
 
 
+def test_logprobs_penalties_and_n_with_the_openai_client(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=6, temperature=1.0, seed=3, n=2,
+                                      logprobs=2, presence_penalty=0.5, frequency_penalty=1.0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in whole.choices] == [0, 1] and whole.choices[0].text != whole.choices[1].text
+    for choice in whole.choices:
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 6
+        assert all(value <= 0 for value in logprobs.token_logprobs)
+        assert all(token in top and 2 <= len(top) <= 3 for token, top in zip(logprobs.tokens, logprobs.top_logprobs,
+                                                                              strict=True))
+    assert whole.usage.completion_tokens == 12
+    forced = {token: client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0,
+                                               logit_bias={str(token): 100}, logprobs=0,
+                                               extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+              for token in (9, 10)}
+    assert all(len(tokens) == 3 and len(set(tokens)) == 1 for tokens in forced.values()) and forced[9] != forced[10]
+    messages = [{"role": "user", "content": "Tell me about the river."}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 3 and item.bytes == list(item.token.encode()) for item in content)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=3, n=2, stream=True)
+    streamed: dict[int, list] = {0: [], 1: []}
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.logprobs.content if choice.logprobs else []
+    # The same greedy tokens; decoded two in a batch, their log probabilities may differ in the last bits.
+    for items in streamed.values():
+        assert [i.token for i in items] == [i.token for i in content]
+        assert [i.logprob for i in items] == pytest.approx([i.logprob for i in content], abs=1e-4)
+        assert [[t.token for t in i.top_logprobs] for i in items] == [[t.token for t in i.top_logprobs]
+                                                                        for i in content]
+
+
+@pytest.mark.parametrize(("options", "param"), [({"presence_penalty": 3}, "presence_penalty"),
+                                                ({"logit_bias": {"x": 1}}, "logit_bias"),
+                                                ({"logit_bias": {"100000": 1}}, "logit_bias"),
+                                                ({"top_logprobs": 2}, "top_logprobs"),
+                                                ({"n": 17}, "n")])
+def test_bad_sampling_options_are_the_openai_clients_bad_requests(client: openai.OpenAI, options: dict,
+                                                                  param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       **options)
+    assert bad.value.body["param"] == param
+    assert client.completions.create(model=NAME, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
 # raw HTTP ----------------------------------------------------------------------------------------------------------
 
 
@@ -242,6 +293,31 @@ def test_a_client_that_disconnects_is_cancelled_and_frees_its_kv_blocks(server: 
     assert after["llmeasyquant_kv_cache_free_bytes", ()] > 0
     assert after["llmeasyquant_generation_tokens_total", ()] < before["llmeasyquant_generation_tokens_total", ()] \
         + 2 * LONG  # they were stopped, not run to the end
+
+
+def test_a_client_that_disconnects_cancels_every_choice(server: Server) -> None:
+    before = metrics(server)
+    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": LONG, "temperature": 1.0, "ignore_eos": True,
+            "n": 3, "stream": True}
+    with httpx.Client(base_url=server.base, headers=AUTH, timeout=30) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        indices = set()
+        for line in response.iter_lines():
+            for payload in sse_payloads(line):
+                indices.add(json.loads(payload)["choices"][0]["index"])
+            if len(indices) == 3:
+                break  # leaving the block closes the connection mid-stream
+    poll(lambda: requests_by(metrics(server), "cancelled") == requests_by(before, "cancelled") + 1,
+         what="the request counted as cancelled")
+
+    def freed() -> bool:
+        now = metrics(server)
+        return now["llmeasyquant_kv_cache_blocks_used", ()] == 0 and now["llmeasyquant_running_sequences", ()] == 0
+
+    poll(freed, what="the KV blocks of all three choices coming back")
+    assert metrics(server)["llmeasyquant_generation_tokens_total", ()] < \
+        before["llmeasyquant_generation_tokens_total", ()] + 3 * LONG
 
 
 def test_sigterm_ends_running_streams_with_a_last_event_and_exits_0(folder: Path, tmp_path: Path) -> None:

@@ -252,6 +252,11 @@ def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the reply where this text appears (not shown); repeatable, up to 4")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="subtract P from the logit of every token the reply holds already, in [-2, 2] (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F times the number of times a token appears in the reply so far from its "
+                   "logit, in [-2, 2] (default 0)")
 
 
 def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> SamplingParams:
@@ -260,7 +265,8 @@ def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> 
 
     params = SamplingParams(max_tokens=args.max_new_tokens if max_tokens is None else max_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     try:
         params.check()
     except RequestError as exc:

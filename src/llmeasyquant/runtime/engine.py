@@ -10,15 +10,20 @@ One background thread runs steps. Each step:
    long prompt delays the decoding sequences by one chunk's work per step, never by the whole prompt. Aligned
    chunks make a sequence's computation the same whatever runs beside it;
 4. samples each sequence's next token on its own generator, detokenizes it, cuts stop strings, and pushes an event
-   to the request's stream.
+   to the request's stream. Sequences whose requests asked for logit_bias, penalties or log probabilities have a
+   RequestSampler of their own (runtime/sampling.py) that shapes their row of logits first; the others take the
+   plain path, as if those options did not exist.
 Requests join and leave the batch at every step. The queue is bounded (`max_queue`): beyond it submit raises
-QueueFull, which a server answers with 429.
+QueueFull, which a server answers with 429. `submit_many` queues n completions of one prompt (OpenAI's `n`) as n
+sequences, all of them or none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -35,10 +40,12 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.runtime.batch import BatchDecoder
-from llmeasyquant.runtime.detokenize import Detokenizer
+from llmeasyquant.runtime.detokenize import Detokenizer, TokenPieces
 from llmeasyquant.runtime.kv_pool import MIB, FloatPool, KVPool, QuantPool, Shape
 from llmeasyquant.runtime.model_parts import DecoderParts
 from llmeasyquant.runtime.requests import (
+    MAX_CHOICES,
+    SEED_RANGE,
     Completion,
     EngineStats,
     EngineStopped,
@@ -46,8 +53,9 @@ from llmeasyquant.runtime.requests import (
     RequestError,
     SamplingParams,
     TokenEvent,
+    TokenLogprob,
 )
-from llmeasyquant.runtime.sampling import greedy_tokens, sample
+from llmeasyquant.runtime.sampling import RequestSampler, greedy_tokens, sample
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +153,9 @@ class _Sequence:
     slot: int = -1
     prefilled: int = 0  # prompt positions in the cache
     tokens: list[int] = field(default_factory=list)  # generated ids (the last one not yet in the cache)
+    sampler: RequestSampler | None = None  # only for requests with logit_bias, penalties or logprobs
+    logprobs: list[TokenLogprob] | None = None  # one per token given to the detokenizer, when asked for
+    logprobs_sent: int = 0  # how many of them have gone out in events
 
     @property
     def decoding(self) -> bool:
@@ -253,11 +264,30 @@ class Engine:
         ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    @functools.cached_property
+    def token_pieces(self) -> TokenPieces:
+        """Single tokens' bytes and strings, for answers with log probabilities."""
+        return TokenPieces(self.tokenizer)
+
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestStream:
         """Queue a request; its stream of events. Raises RequestError (with the field) for a request that cannot
         run, QueueFull when the queue is at max_queue, EngineStopped after shutdown."""
+        return self.submit_many(prompt, params, 1)[0]
+
+    def submit_many(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    n: int = 1) -> list[RequestStream]:
+        """Queue n completions of one prompt (1 <= n <= MAX_CHOICES), each a sequence of its own; their streams,
+        in order. All are queued or none: QueueFull when the queue cannot take those that would wait. With a
+        seed, completion i samples with seed + i (so the first is what n=1 gives, and the request repeats);
+        without, each draws its own seed. Greedy completions are all the same. Errors as `submit`."""
         params = params or SamplingParams()
-        params.check()
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
+        params.check(self.vocab)
+        if n > self.config.max_running + self.config.max_queue:
+            raise RequestError(f"n={n} completions can never be queued together: this server runs "
+                               f"{self.config.max_running} and queues {self.config.max_queue} requests at most; ask "
+                               f"for at most {self.config.max_running + self.config.max_queue}", "n")
         ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_context:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
@@ -271,39 +301,61 @@ class Engine:
             raise RequestError(f"{total} tokens need {self.pool.bytes_for(total) / MIB:.1f} MiB of KV cache; the "
                                f"server holds {self.config.kv_memory_mb:g} MiB: ask for fewer tokens (or start it "
                                "with a larger --kv-memory)", "max_tokens")
-        stream = RequestStream(f"cmpl-{uuid.uuid4().hex[:24]}", len(ids))
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
-        generator = None if params.greedy else torch.Generator().manual_seed(seed)
-        sequence = _Sequence(stream, params, ids, Detokenizer(self.tokenizer, params.stop), generator)
+        sequences = [self._sequence(ids, params, choice) for choice in range(n)]
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down and takes no new request")
-            if len(self._waiting) >= self.config.max_queue and not self._admissible(sequence):
-                raise QueueFull(f"{len(self._running)} requests are running and {len(self._waiting)} waiting (the "
-                                f"most the queue holds); retry later")
-            self._waiting.append(sequence)
+            if len(self._waiting) + n - self._admissible(total, n) > self.config.max_queue:
+                why = "the most the queue holds" if n == 1 else \
+                    f"{n} completions would pass the {self.config.max_queue} the queue holds; none was queued"
+                raise QueueFull(f"{len(self._running)} requests are running and {len(self._waiting)} waiting "
+                                f"({why}); retry later")
+            self._waiting.extend(sequences)
             self._lock.notify_all()
         self.start()
-        return stream
+        return [sequence.stream for sequence in sequences]
 
-    def _admissible(self, sequence: _Sequence) -> bool:
-        """Whether the sequence would be admitted at once (a slot and its blocks free, nobody ahead of it)."""
-        return not self._waiting and len(self._running) < self.config.max_running and \
-            self.pool.used_bytes() + self.pool.bytes_for(len(sequence.prompt) + sequence.params.max_tokens) \
-            <= self.pool.budget
+    def _sequence(self, ids: list[int], params: SamplingParams, choice: int) -> _Sequence:
+        """Completion `choice` of a request: its stream, seeded generator and, when it asks for more than plain
+        sampling, its RequestSampler."""
+        stream = RequestStream(f"cmpl-{uuid.uuid4().hex[:24]}", len(ids))
+        if params.seed is not None:  # seed + choice; past 2**64 - 1 it wraps, as the generator reads 64 bits
+            seed = params.seed + choice
+            seed -= 2**64 if seed > SEED_RANGE[1] else 0
+        else:  # drawn even for greedy requests, so that the engine's draws do not depend on them
+            seed = int(torch.randint(2**62, (1,), generator=self._seeds))
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        sequence = _Sequence(stream, params, ids, Detokenizer(self.tokenizer, params.stop), generator)
+        if not params.plain:
+            sequence.sampler = RequestSampler(params, self.vocab, generator)
+            sequence.logprobs = None if params.logprobs is None else []
+        return sequence
+
+    def _admissible(self, tokens: int, n: int = 1) -> int:
+        """How many of n sequences of `tokens` positions would be admitted at once (slots and their memory free,
+        nobody ahead of them)."""
+        if self._waiting:
+            return 0
+        slots = self.config.max_running - len(self._running)
+        room = (self.pool.budget - self.pool.used_bytes()) // self.pool.bytes_for(tokens)
+        return max(0, min(n, slots, room))
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
         """Run one request to its end (blocking)."""
         start = time.perf_counter()
         stream = self.submit(prompt, params)
         text, ids, times, reason = [], [], [], "stop"
+        logprobs: list[TokenLogprob] | None = None
         for event in stream:
             text.append(event.text)
             ids.extend(event.token_ids)
             times.append(event.time_s)
             reason = event.finish_reason or reason
+            if event.logprobs is not None:
+                logprobs = logprobs if logprobs is not None else []
+                logprobs.extend(event.logprobs)
         first = times[0] - start if times else 0.0
-        return Completion("".join(text), ids, stream.prompt_tokens, reason, first, times)
+        return Completion("".join(text), ids, stream.prompt_tokens, reason, first, times, logprobs)
 
     # the loop ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -367,15 +419,18 @@ class Engine:
             sequence.slot = slot
             self._running.append(self._waiting.popleft())
 
-    def _end(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+    def _end(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
+             logprobs: tuple[TokenLogprob, ...] | None = ()) -> None:
+        """Push the last event. A request that asked for log probabilities gets a tuple (maybe empty), else None."""
         sequence.stream.push(TokenEvent(text, token_ids, len(sequence.prompt), len(sequence.tokens), reason,
-                                        time.perf_counter()))
+                                        time.perf_counter(), None if sequence.logprobs is None else logprobs))
 
-    def _finish(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+    def _finish(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
+                logprobs: tuple[TokenLogprob, ...] | None = ()) -> None:
         """Under the lock: end a running sequence and give its slot and blocks back."""
         self._running.remove(sequence)
         self.pool.release(sequence.slot)
-        self._end(sequence, reason, text, token_ids)
+        self._end(sequence, reason, text, token_ids, logprobs)
 
     def _step(self, batch: list[_Sequence]) -> None:
         ids, row_seq, positions, wanted, sampling = [], [], [], [], []
@@ -403,30 +458,49 @@ class Engine:
         rows = self.pool.rows(row_seq, positions)
         logits = self.decoder.forward(torch.tensor(ids), rows, torch.tensor(wanted, dtype=torch.int64))
         self._steps += 1
-        greedy = greedy_tokens(logits) if any(s.params.greedy for s in sampling) else []
+        greedy = greedy_tokens(logits) if any(s.params.greedy and s.sampler is None for s in sampling) else []
         now = time.perf_counter()
         with self._lock:
             for index, sequence in enumerate(sampling):
                 if sequence not in self._running:
                     continue
-                token = greedy[index] if sequence.params.greedy else sample(logits[index], sequence.params,
-                                                                            sequence.generator)
-                self._advance(sequence, token, now)
+                logprob = None
+                if sequence.sampler is not None:
+                    token, logprob = sequence.sampler.next(logits[index])
+                elif sequence.params.greedy:
+                    token = greedy[index]
+                else:
+                    token = sample(logits[index], sequence.params, sequence.generator)
+                self._advance(sequence, token, now, logprob)
 
-    def _advance(self, sequence: _Sequence, token: int, now: float) -> None:
+    def _advance(self, sequence: _Sequence, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
         """Under the lock: take the sequence's new token, push its text, end it when it is done."""
         sequence.tokens.append(token)
         count = len(sequence.tokens)
+        detokenizer = sequence.detokenizer
         if token in self.eos and not sequence.params.ignore_eos:  # counted as generated, never shown
-            self._finish(sequence, "stop", sequence.detokenizer.flush())
+            self._finish(sequence, "stop", detokenizer.flush(), logprobs=self._released(sequence, final=True))
             return
-        text = sequence.detokenizer.add(token)
-        if sequence.detokenizer.stopped:
-            self._finish(sequence, "stop", text, (token,))
+        text = detokenizer.add(token)
+        if logprob is not None:
+            sequence.logprobs.append(dataclasses.replace(logprob, offset=detokenizer.starts[-1]))
+        if detokenizer.stopped:
+            self._finish(sequence, "stop", text, (token,), self._released(sequence))
         elif count >= sequence.params.max_tokens:
-            self._finish(sequence, "length", text + sequence.detokenizer.flush(), (token,))
-        else:
-            sequence.stream.push(TokenEvent(text, (token,), len(sequence.prompt), count, None, now))
+            self._finish(sequence, "length", text + detokenizer.flush(), (token,), self._released(sequence, True))
+        else:  # (the common case: plain requests skip even the call)
+            sequence.stream.push(TokenEvent(text, (token,), len(sequence.prompt), count, None, now,
+                                            None if sequence.logprobs is None else self._released(sequence)))
+
+    @staticmethod
+    def _released(sequence: _Sequence, final: bool = False) -> tuple[TokenLogprob, ...] | None:
+        """The log probabilities of the tokens whose text has now been released and whose log probabilities have
+        not gone out yet (all the rest when the request ends without a stop string); None when not asked for."""
+        if sequence.logprobs is None:
+            return None
+        end = len(sequence.logprobs) if final else sequence.detokenizer.released_tokens()
+        start, sequence.logprobs_sent = sequence.logprobs_sent, max(end, sequence.logprobs_sent)
+        return tuple(sequence.logprobs[start:end])
 
     # state -------------------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

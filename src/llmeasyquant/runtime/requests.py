@@ -7,11 +7,18 @@ A leaf module: the engine (runtime/engine.py), the HTTP server (serving/) and th
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llmeasyquant.errors import LLMEasyQuantError
 
 FINISH_REASONS = ("stop", "length", "cancelled", "shutdown", "error")  # error: the step failed (logged)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
+MAX_BIAS = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's
+MAX_BIAS_ENTRIES = 300  # logit_bias entries per request: a per-token list the size of a vocabulary is no "bias"
+MAX_LOGPROBS = 20  # alternatives per token with their log probabilities (OpenAI's chat limit, vLLM's default)
+MAX_CHOICES = 16  # completions per request (n); each is a sequence of its own in the engine
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 class RequestError(LLMEasyQuantError, ValueError):
@@ -41,10 +48,23 @@ class EngineStopped(RequestError):
     status = 503
 
 
+def _number_in(value: object, low: float, high: float) -> bool:
+    """A finite real number (not a bool) within [low, high]."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
+        and low <= value <= high
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. temperature 0 is greedy (argmax); top_k 0 and top_p 1 turn those filters off.
-    `seed` makes sampling reproducible for the request (None: drawn from the engine's generator)."""
+    `seed` makes sampling reproducible for the request (None: drawn from the engine's generator).
+
+    Before the choice (greedy included), each logit gets its `logit_bias` (token id -> bias in [-100, 100]) and
+    loses `presence_penalty` if the token was generated already in this completion plus `frequency_penalty` times
+    the number of times it was (both in [-2, 2], OpenAI's definition); temperature, top-k and top-p come after.
+    `logprobs` (0..20, None: off) asks for each generated token's log probability and that many likeliest
+    alternatives, from the log-softmax of those biased and penalised logits, before temperature, top-k and top-p.
+    Requests that ask for none of these are decoded exactly as without them, at no cost."""
 
     max_tokens: int = 128
     temperature: float = 1.0
@@ -53,12 +73,20 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Given as a mapping {token id: bias}; kept as a tuple of pairs so that the params stay immutable.
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
+        bias = self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((bias.items() if isinstance(bias, Mapping) else bias) or ()))
 
-    def check(self) -> None:
-        """Raise RequestError naming the first field out of range."""
+    def check(self, vocab_size: int | None = None) -> None:
+        """Raise RequestError naming the first field out of range; with `vocab_size`, logit_bias's token ids are
+        checked against it too."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
@@ -70,18 +98,72 @@ class SamplingParams:
             raise RequestError(f"top_k must be 0 (off) or a positive integer, got {self.top_k!r}", "top_k")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise RequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise RequestError(f"seed must lie in [-2**63, 2**64 - 1], got {self.seed}", "seed")
         if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop takes up to 4 non-empty strings", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _number_in(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
+                raise RequestError(f"{name} must lie in [-2, 2], got {getattr(self, name)!r}", name)
+        self._check_bias(vocab_size)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or left out), got "
+                               f"{self.logprobs!r}", "logprobs")
+
+    def _check_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_BIAS_ENTRIES:
+            raise RequestError(f"logit_bias holds {len(self.logit_bias)} entries; at most {MAX_BIAS_ENTRIES} are "
+                               "allowed", "logit_bias")
+        last = f"0..{vocab_size - 1}" if vocab_size else "the vocabulary"
+        for entry in self.logit_bias:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise RequestError(f"logit_bias must map token ids to biases, got the entry {entry!r}", "logit_bias")
+            token, bias = entry
+            if isinstance(token, bool) or not isinstance(token, int) or \
+                    (vocab_size is not None and not 0 <= token < vocab_size):
+                raise RequestError(f"logit_bias: the key {token!r} is not a token id of this model ({last})",
+                                   "logit_bias")
+            if not _number_in(bias, -MAX_BIAS, MAX_BIAS):
+                raise RequestError(f"logit_bias: the bias of token {token} must lie in [-100, 100], got {bias!r}",
+                                   "logit_bias")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits change before the choice (a bias or a penalty): the token is chosen per request."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Nothing beyond temperature, top-k and top-p: the step's shared fast path decodes it."""
+        return self.logprobs is None and not self.shapes_logits
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability, its likeliest alternatives and where its text starts.
+
+    `top` holds the `logprobs` likeliest tokens of the step (the generated one among them or not), most likely
+    first. `offset` is the character in the completion's text where the token's text begins."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    offset: int = 0
+
 
 @dataclass(frozen=True)
 class TokenEvent:
     """One step of a request's stream: the text decoded since the last event (held back while it could still
-    become a stop string), the token ids it came from, and on the last event why the request ended."""
+    become a stop string), the token ids it came from, and on the last event why the request ended.
+
+    `logprobs` (requests that asked for them, else None) are those of the tokens whose text this event releases:
+    they are held back with the text, come once each and in order, and those of tokens a stop string cut off never
+    come. So they need not match `token_ids`, which are the tokens generated at this step."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -89,6 +171,7 @@ class TokenEvent:
     completion_tokens: int
     finish_reason: str | None = None
     time_s: float = 0.0  # time.perf_counter() when the step that made it ended
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass
@@ -101,6 +184,7 @@ class Completion:
     finish_reason: str
     time_to_first_token_s: float
     token_times_s: list[float] = field(default_factory=list)  # perf_counter() of each event
+    logprobs: list[TokenLogprob] | None = None  # one per token of `text` when the request asked for them
 
     @property
     def completion_tokens(self) -> int:

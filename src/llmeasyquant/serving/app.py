@@ -4,6 +4,10 @@ Every request is parsed and checked before it reaches the engine, so a bad one i
 body (serving/errors.py) and never touches the decode loop. A stream is read on the event loop (the engine pushes
 its events there; no thread per request); when its client goes away the request is cancelled, and the engine gives
 its sequence and KV blocks back at its next step.
+
+A request for n choices is n engine sequences of one prompt (Engine.submit_many: all queued, or a 429 and none).
+Their events are read together, in the order they come: a stream interleaves chunks of every choice, each tagged
+with its index. When the client goes away, or one choice fails, every choice still running is cancelled.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmeasyquant.runtime.requests import RequestError, TokenEvent
+from llmeasyquant.runtime.requests import RequestError, TokenEvent, TokenLogprob
 from llmeasyquant.serving import protocol
 from llmeasyquant.serving.errors import ApiError, api_error, error_body
 from llmeasyquant.serving.metrics import RequestTracker, ServerMetrics
 from llmeasyquant.version import __version__
 
 if TYPE_CHECKING:
+    from llmeasyquant.runtime.detokenize import TokenPieces
     from llmeasyquant.runtime.engine import Engine, RequestStream
 
 log = logging.getLogger(__name__)
@@ -113,26 +118,26 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
     @_guarded
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req = await _parse(request, protocol.CompletionRequest)
+        req = await _parse(request, protocol.CompletionRequest, engine.vocab)
         _check_model(state, req.model)
         params = req.sampling(req.max_tokens, protocol.COMPLETION_DEFAULT_MAX_TOKENS)
-        stream = engine.submit(req.prompt, params)
-        return await _answer(request, state, stream, arrival, _Format("text_completion", stream.id,
-                                                                      state.model_name), req)
+        streams = engine.submit_many(req.prompt, params, req.choices)
+        fmt = _Format("text_completion", streams[0].id, state.model_name, engine.token_pieces)
+        return await _answer(request, state, streams, arrival, fmt, req)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     @_guarded
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req = await _parse(request, protocol.ChatRequest)
+        req = await _parse(request, protocol.ChatRequest, engine.vocab)
         _check_model(state, req.model)
         ids = engine.chat_prompt([m.as_dict() for m in req.messages])
         default = max(1, min(CHAT_DEFAULT_MAX_TOKENS, engine.max_context - len(ids)))
         params = req.sampling(req.max_new_tokens(), default)
-        stream = engine.submit(ids, params)
-        chat_id = "chatcmpl-" + stream.id.removeprefix("cmpl-")
-        return await _answer(request, state, stream, arrival, _Format("chat.completion", chat_id,
-                                                                      state.model_name), req)
+        streams = engine.submit_many(ids, params, req.choices)
+        chat_id = "chatcmpl-" + streams[0].id.removeprefix("cmpl-")
+        fmt = _Format("chat.completion", chat_id, state.model_name, engine.token_pieces)
+        return await _answer(request, state, streams, arrival, fmt, req)
 
     return app
 
@@ -158,13 +163,14 @@ def _guarded(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Await
     return run
 
 
-async def _parse(request: Request, model: type[protocol.BaseModel]) -> Any:
+async def _parse(request: Request, model: type[protocol.BaseModel], vocab_size: int) -> Any:
     raw = await _read_body(request)
     try:
         data = json.loads(raw)
     except UnicodeDecodeError:
         raise ApiError(400, "the body is not UTF-8 text: send a JSON object", code="invalid_json") from None
-    return model.model_validate(data)  # json.JSONDecodeError and ValidationError: the error handlers answer
+    # json.JSONDecodeError and ValidationError: the error handlers answer
+    return model.model_validate(data, context={protocol.VOCAB_SIZE: vocab_size})
 
 
 async def _read_body(request: Request) -> bytes:
@@ -246,30 +252,60 @@ class _Format:
     object: str  # "text_completion" or "chat.completion"
     id: str
     model: str
+    pieces: TokenPieces  # names the tokens of log probabilities
     created: int = field(default_factory=protocol.now)
 
     @property
     def chat(self) -> bool:
         return self.object == "chat.completion"
 
-    def body(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
-        make = protocol.chat_body if self.chat else protocol.completion_body
-        return make(self.id, self.created, self.model, text, finish_reason, usage)
+    def logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        make = protocol.chat_logprobs if self.chat else protocol.completion_logprobs
+        return make(entries, self.pieces)
 
-    def opening(self) -> list[dict[str, Any]]:
-        # OpenAI's first chat chunk names the role; completions have no such chunk.
+    def body(self, choices: list[_Choice], usage: dict[str, int]) -> dict[str, Any]:
+        if self.chat:
+            made = [protocol.chat_choice(i, c.text, c.finish_reason, self.logprobs(c.logprobs))
+                    for i, c in enumerate(choices)]
+            return protocol.chat_body(self.id, self.created, self.model, made, usage)
+        made = [protocol.completion_choice(i, c.text, c.finish_reason, self.logprobs(c.logprobs))
+                for i, c in enumerate(choices)]
+        return protocol.completion_body(self.id, self.created, self.model, made, usage)
+
+    def opening(self, index: int = 0) -> list[dict[str, Any]]:
+        # OpenAI's first chat chunk of each choice names the role; completions have no such chunk.
         return [protocol.chat_chunk(self.id, self.created, self.model, {"role": "assistant", "content": ""},
-                                    None)] if self.chat else []
+                                    None, index)] if self.chat else []
 
-    def delta(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    def delta(self, text: str, finish_reason: str | None = None, index: int = 0,
+              logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
         if self.chat:
             return protocol.chat_chunk(self.id, self.created, self.model, {"content": text} if text else {},
-                                       finish_reason)
-        return protocol.completion_chunk(self.id, self.created, self.model, text, finish_reason)
+                                       finish_reason, index, self.logprobs(logprobs))
+        return protocol.completion_chunk(self.id, self.created, self.model, text, finish_reason, index,
+                                         self.logprobs(logprobs))
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return protocol.usage_chunk(kind, self.id, self.created, self.model, usage)
+
+
+@dataclass
+class _Choice:
+    """One choice of a whole (non-stream) answer, as its events add up."""
+
+    text: str = ""
+    finish_reason: str = "stop"
+    logprobs: list[TokenLogprob] | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        self.text += event.text
+        if event.logprobs is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(event.logprobs)
+        self.finish_reason = event.finish_reason or self.finish_reason
 
 
 def _decode_failed() -> ApiError:
@@ -277,58 +313,97 @@ def _decode_failed() -> ApiError:
                     code="decode_failed")
 
 
-async def _answer(request: Request, state: ServerState, stream: RequestStream, arrival: float, fmt: _Format,
-                  req: protocol.CompletionRequest | protocol.ChatRequest) -> Response:
-    state.metrics.prompt_tokens.inc(stream.prompt_tokens)
-    tracker = RequestTracker(state.metrics, arrival)
+async def _answer(request: Request, state: ServerState, streams: list[RequestStream], arrival: float,
+                  fmt: _Format, req: protocol.CompletionRequest | protocol.ChatRequest) -> Response:
+    prompt_tokens = streams[0].prompt_tokens  # the choices share the prompt: usage counts it once, as OpenAI's
+    state.metrics.prompt_tokens.inc(prompt_tokens)
+    tracker = RequestTracker(state.metrics, arrival, len(streams))
     if req.streaming:
-        events = _sse_events(stream, tracker, fmt, req.include_usage)
+        events = _sse_events(streams, tracker, fmt, req.include_usage)
         # The background task also runs when the client left before the first event (the generator never
         # started, so its own cleanup never ran).
         return EventSourceResponse(events, sep="\n", ping=SSE_PING_S,
                                    shutdown_grace_period=state.shutdown_grace_s + SHUTDOWN_MARGIN_S,
-                                   background=BackgroundTask(_abandon, stream, tracker))
+                                   background=BackgroundTask(_abandon, streams, tracker))
     try:
-        text, last = await _collect(request, stream, tracker)
+        choices = await _collect(request, streams, tracker)
     finally:
-        _abandon(stream, tracker)
-    if last.finish_reason == "error":  # answered here, not raised: the tracker has counted it already
+        _abandon(streams, tracker)
+    if any(c.finish_reason == "error" for c in choices):  # answered here, not raised: the tracker counted it
         error = _decode_failed()
         return JSONResponse(error.body(), status_code=error.status)
-    usage = protocol.usage(stream.prompt_tokens, last.completion_tokens)
-    return JSONResponse(fmt.body(text, last.finish_reason or "stop", usage))
+    usage = protocol.usage(prompt_tokens, tracker.completion_tokens)
+    return JSONResponse(fmt.body(choices, usage))
 
 
-def _abandon(stream: RequestStream, tracker: RequestTracker) -> None:
-    """A request whose reader has gone: cancel it if it still runs, and count its outcome (once)."""
-    if tracker.finish_reason is None:
-        log.info("%s: its client went away before it ended; cancelling it", stream.id)
-        stream.cancel()
+def _abandon(streams: list[RequestStream], tracker: RequestTracker) -> None:
+    """A request whose reader has gone: cancel its choices that still run, and count its outcome (once)."""
+    for index, stream in enumerate(streams):
+        if tracker.finish_reasons[index] is None:
+            log.info("%s: its client went away (or another choice failed) before it ended; cancelling it",
+                     stream.id)
+            stream.cancel()
     tracker.outcome()
 
 
-async def _collect(request: Request, stream: RequestStream, tracker: RequestTracker) -> tuple[str, TokenEvent]:
-    """Read a request to its end; a client that disconnects first cancels it."""
-    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, stream))
-    parts, last = [], None
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """The events of every stream tagged with its index, in the order they arrive, until each stream has ended.
+    Close it (aclose) to stop reading: the readers of the streams stop with it."""
+    if len(streams) == 1:  # a single choice is read directly, with no task in between
+        async for event in streams[0]:
+            yield 0, event
+        return
+    arrived: asyncio.Queue[tuple[int, TokenEvent | BaseException]] = asyncio.Queue()
+
+    async def read(index: int, stream: RequestStream) -> None:
+        try:
+            async for event in stream:
+                arrived.put_nowait((index, event))
+                # A stream's events may be queued already (a reader that starts late): taking one at a time, the
+                # readers take turns, so no choice's backlog goes out whole before the others' first chunks.
+                await asyncio.sleep(0)
+        except Exception as exc:  # a reader that fails must not leave the merge waiting forever
+            arrived.put_nowait((index, exc))
+
+    readers = [asyncio.ensure_future(read(i, stream)) for i, stream in enumerate(streams)]
     try:
-        async for event in stream:
-            tracker.see(event)
-            parts.append(event.text)
-            last = event
+        running = len(streams)
+        while running:
+            index, event = await arrived.get()
+            if isinstance(event, BaseException):
+                raise event
+            running -= event.finish_reason is not None
+            yield index, event
+    finally:
+        for reader in readers:
+            reader.cancel()
+
+
+async def _collect(request: Request, streams: list[RequestStream], tracker: RequestTracker) -> list[_Choice]:
+    """Read every choice to its end; a client that disconnects first cancels them, and a choice that fails ends
+    the reading (the others are cancelled by the caller's _abandon)."""
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, streams))
+    choices = [_Choice() for _ in streams]
+    try:
+        async with contextlib.aclosing(_merged(streams)) as events:
+            async for index, event in events:
+                tracker.see(event, index)
+                choices[index].add(event)
+                if event.finish_reason == "error":
+                    break
     finally:
         watcher.cancel()
-    assert last is not None and last.finish_reason is not None  # a stream always ends with a finish reason
-    return "".join(parts), last
+    return choices
 
 
-async def _cancel_on_disconnect(request: Request, stream: RequestStream) -> None:
+async def _cancel_on_disconnect(request: Request, streams: list[RequestStream]) -> None:
     # The body has been read: the next message the server gives is the disconnect (or nothing, until we answer).
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            log.info("%s: the client disconnected; cancelling", stream.id)
-            stream.cancel()
+            log.info("%s: the client disconnected; cancelling", streams[0].id)
+            for stream in streams:
+                stream.cancel()
             return
 
 
@@ -336,31 +411,34 @@ def _data(chunk: dict[str, Any]) -> dict[str, str]:
     return {"data": json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))}
 
 
-async def _sse_events(stream: RequestStream, tracker: RequestTracker, fmt: _Format,
+async def _sse_events(streams: list[RequestStream], tracker: RequestTracker, fmt: _Format,
                       include_usage: bool) -> AsyncIterator[dict[str, str]]:
-    """The server-sent events of one stream: chunks as the engine decodes, the finish reason on the last one, the
-    usage after it when asked for, then [DONE]. Cancelled (client gone) or closed early: the request is cancelled."""
+    """The server-sent events of a request: chunks as the engine decodes, each tagged with its choice's index, the
+    finish reason on each choice's last one, the usage after them when asked for, then [DONE]. Cancelled (client
+    gone), closed early or a choice failed: the choices still running are cancelled."""
     try:
-        for chunk in fmt.opening():
-            yield _data(chunk)
-        async for event in stream:
-            tracker.see(event)
-            if event.finish_reason == "error":
-                yield _data(_decode_failed().body())
-                break
-            if event.text:
-                yield _data(fmt.delta(event.text))
-            if event.finish_reason is not None:
-                yield _data(fmt.delta("", event.finish_reason))
-        else:
-            if include_usage:
-                yield _data(fmt.usage(protocol.usage(stream.prompt_tokens, tracker.completion_tokens)))
+        for index in range(len(streams)):
+            for chunk in fmt.opening(index):
+                yield _data(chunk)
+        async with contextlib.aclosing(_merged(streams)) as events:
+            async for index, event in events:
+                tracker.see(event, index)
+                if event.finish_reason == "error":
+                    yield _data(_decode_failed().body())
+                    break
+                if event.text or event.logprobs:
+                    yield _data(fmt.delta(event.text, None, index, event.logprobs))
+                if event.finish_reason is not None:
+                    yield _data(fmt.delta("", event.finish_reason, index))
+            else:
+                if include_usage:
+                    yield _data(fmt.usage(protocol.usage(streams[0].prompt_tokens, tracker.completion_tokens)))
         yield {"data": "[DONE]"}
     except Exception:  # the status line is sent: the client learns of the failure from an error event
-        log.exception("%s: the stream failed", stream.id)
+        log.exception("%s: the stream failed", streams[0].id)
         tracker.outcome("error_5xx")
         yield _data(error_body("internal error while streaming; the server logged it", "server_error",
                                code="internal_error"))
         yield {"data": "[DONE]"}
     finally:
-        _abandon(stream, tracker)
+        _abandon(streams, tracker)

@@ -66,33 +66,50 @@ class ServerMetrics:
 
 class RequestTracker:
     """One request's share of the metrics: tokens, time to first token and inter-token latency as its events
-    arrive, then its outcome once."""
+    arrive, then its outcome once. A request of n choices (OpenAI's `n`) has n streams of events: the tokens are
+    summed over them, the time to first token is the first of any, inter-token latencies are each choice's own."""
 
-    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival_s: float, choices: int = 1) -> None:
         self.metrics = metrics
         self.arrival_s = arrival_s
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self._last_token_s: float | None = None
+        self.tokens = [0] * choices  # each choice's completion tokens so far
+        self.finish_reasons: list[str | None] = [None] * choices
+        self._last_token_s: list[float | None] = [None] * choices
+        self._first_seen = False
         self._counted = False
 
-    def see(self, event: TokenEvent) -> None:
-        new = event.completion_tokens - self.completion_tokens
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The request's: None while a choice runs; else the first of error, shutdown, cancelled that a choice
+        ended with, or the first choice's reason."""
+        reasons = self.finish_reasons
+        if None in reasons:
+            return None
+        return next((r for r in ("error", "shutdown", "cancelled") if r in reasons), reasons[0])
+
+    def see(self, event: TokenEvent, index: int = 0) -> None:
+        new = event.completion_tokens - self.tokens[index]
         if new > 0:
             at = event.time_s or time.perf_counter()
             self.metrics.generation_tokens.inc(new)
-            if self._last_token_s is None:
+            last = self._last_token_s[index]
+            if not self._first_seen:
+                self._first_seen = True
                 self.metrics.ttft.observe(max(0.0, at - self.arrival_s))
-            else:
+            if last is not None:
                 # An event can carry several tokens (text held back while it could still become a stop string):
                 # the time since the last event is shared out evenly among them.
-                gap = max(0.0, at - self._last_token_s) / new
+                gap = max(0.0, at - last) / new
                 for _ in range(new):
                     self.metrics.itl.observe(gap)
-            self._last_token_s = at
-            self.completion_tokens = event.completion_tokens
+            self._last_token_s[index] = at
+            self.tokens[index] = event.completion_tokens
         if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
+            self.finish_reasons[index] = event.finish_reason
 
     def outcome(self, outcome: str | None = None) -> None:
         """Count the request once: `outcome` if given, else from its finish reason (none seen: cancelled)."""
@@ -100,7 +117,8 @@ class RequestTracker:
             return
         self._counted = True
         if outcome is None:
-            reason = self.finish_reason
-            outcome = ("ok" if reason in ("stop", "length") else "cancelled" if reason is None
-                       else reason if reason in OUTCOMES else "error_5xx")
+            reasons = self.finish_reasons
+            # A choice that never ended was cancelled when its reader went; one that failed makes it a 5xx.
+            reason = "error" if "error" in reasons else "cancelled" if None in reasons else self.finish_reason
+            outcome = ("ok" if reason in ("stop", "length") else reason if reason in OUTCOMES else "error_5xx")
         self.metrics.count(outcome)

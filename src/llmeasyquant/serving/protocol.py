@@ -3,18 +3,40 @@
 Requests are validated strictly (no string-to-number coercion; unknown fields refused): a field the server cannot
 honour is an error naming it, never silently dropped, unless it changes nothing (`user`, `metadata`, `store`,
 `service_tier`, `parallel_tool_calls`). Extensions beyond OpenAI's fields: `top_k` and `ignore_eos`.
+
+Supported beyond plain sampling, as OpenAI defines them: `presence_penalty` and `frequency_penalty` ([-2, 2]),
+`logit_bias` (token ids as string keys, biases in [-100, 100], at most 300 entries), log probabilities
+(completions: `logprobs` 0..20; chat: `logprobs` true with `top_logprobs` 0..20) and `n` (1..16 choices). The
+ranges are the engine's (runtime/requests.py), which names the field of a value out of range. Log probabilities
+are those of the model's log-softmax after logit_bias and the penalties, before temperature, top-k and top-p; a
+value below -9999 (an impossible token) is sent as -9999, since JSON has no -Infinity. Still refused: `best_of`
+above 1, `echo`, `suffix`, tools and function calls, `response_format` other than text, non-text content parts.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from llmeasyquant.runtime.requests import SamplingParams
+from llmeasyquant.runtime.requests import (
+    MAX_BIAS_ENTRIES,
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenLogprob,
+)
+
+if TYPE_CHECKING:
+    from llmeasyquant.runtime.detokenize import TokenPieces
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+LOGPROB_FLOOR = -9999.0  # what a log probability of -inf (or below this) is sent as: JSON has no infinity
+VOCAB_SIZE = "vocab_size"  # the validation context's key for the model's vocabulary size (logit_bias keys)
+_TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
 def unsupported(field: str, why: str) -> ValueError:
@@ -62,23 +84,24 @@ class _GenerationRequest(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise unsupported(f"n={n}", f"one choice per request (n=1); send {n} requests instead")
+    def _choices(cls, n: int | None) -> int | None:
+        if n is not None and not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must lie in [1, {MAX_CHOICES}] (choices per request), got {n}")
         return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value not in (None, 0, 0.0):
-            raise unsupported(f"{info.field_name}={value}", "leave it out or send 0")
-        return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise unsupported("logit_bias", "leave it out")
+    def _token_keys(cls, value: dict[str, float] | None, info: ValidationInfo) -> dict[str, float] | None:
+        # JSON keys are strings: OpenAI's are token ids written as decimal integers. Their range is checked here
+        # when the app passes the vocabulary size, and by the engine in any case.
+        if value is not None and len(value) > MAX_BIAS_ENTRIES:  # counted as sent: "5" and "05" are two entries
+            raise ValueError(f"logit_bias holds {len(value)} entries; at most {MAX_BIAS_ENTRIES} are allowed")
+        vocab = (info.context or {}).get(VOCAB_SIZE)
+        valid = f"token ids 0..{vocab - 1}" if vocab else "token ids"
+        for key in value or {}:
+            if not _TOKEN_ID.fullmatch(key) or (vocab and not 0 <= int(key) < vocab):
+                raise ValueError(f"logit_bias: the key {key!r} is not a token id of this model: keys are {valid}, "
+                                 "written as decimal integers")
         return value
 
     @property
@@ -89,6 +112,14 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to send with log probabilities; None: no log probabilities."""
+        return None
+
     def sampling(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; `check()` is the engine's range check (it names the field)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -96,7 +127,10 @@ class _GenerationRequest(_Strict):
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos))
+            top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
+            logprobs=self.logprob_count())
         params.check()
         return params
 
@@ -141,17 +175,23 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise unsupported("logprobs", "leave it out")
+    def _logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}] (alternatives per token), got {logprobs}")
         return logprobs
 
     @field_validator("best_of")
     @classmethod
-    def _no_best_of(cls, best_of: int | None) -> int | None:
+    def _no_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
         if best_of not in (None, 1):
-            raise unsupported(f"best_of={best_of}", "only best_of=1; leave it out")
+            raise unsupported(f"best_of={best_of}", "only best_of=1; leave it out (n gives several choices)")
+        n = info.data.get("n") or 1
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of ({best_of}) must be at least n ({n}); leave best_of out")
         return best_of
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -211,19 +251,19 @@ class ChatRequest(_GenerationRequest):
             raise ValueError("messages is empty: send at least one message")
         return messages
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise unsupported("logprobs", "leave it out or false")
-        return logprobs
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise unsupported("top_logprobs", "leave it out")
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None:
+            return value
+        if not info.data.get("logprobs"):  # as OpenAI refuses it
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must lie in [0, {MAX_LOGPROBS}], got {value}")
         return value
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools", "functions")
     @classmethod
@@ -263,30 +303,73 @@ def now() -> int:
     return int(time.time())
 
 
-def completion_body(id_: str, created: int, model: str, text: str, finish_reason: str,
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def chat_choice(index: int, text: str, finish_reason: str,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+            "logprobs": logprobs}
+
+
+def completion_body(id_: str, created: int, model: str, choices: list[dict[str, Any]],
                     usage_: dict[str, int]) -> dict[str, Any]:
-    return {"id": id_, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+    return {"id": id_, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage_}
 
 
-def completion_chunk(id_: str, created: int, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
+def completion_chunk(id_: str, created: int, model: str, text: str, finish_reason: str | None, index: int = 0,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": id_, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [completion_choice(index, text, finish_reason, logprobs)]}
 
 
-def chat_body(id_: str, created: int, model: str, text: str, finish_reason: str,
+def chat_body(id_: str, created: int, model: str, choices: list[dict[str, Any]],
               usage_: dict[str, int]) -> dict[str, Any]:
-    return {"id": id_, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}],
+    return {"id": id_, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage_}
 
 
-def chat_chunk(id_: str, created: int, model: str, delta: dict[str, str],
-               finish_reason: str | None) -> dict[str, Any]:
+def chat_chunk(id_: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None,
+               index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": id_, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+
+
+def _logprob(value: float) -> float:
+    """A log probability JSON can carry: -inf (and NaN) become LOGPROB_FLOOR."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], pieces: TokenPieces) -> dict[str, Any]:
+    """/v1/completions' `logprobs` of some tokens: their strings, log probabilities, where their text starts in
+    the completion, and per token a map of the likeliest tokens to their log probabilities, the generated token
+    always among them (so up to logprobs + 1 entries, as OpenAI's)."""
+    top = []
+    for entry in entries:
+        likeliest: dict[str, float] = {}
+        for token, value in (*entry.top, (entry.token, entry.logprob)):
+            likeliest.setdefault(pieces.text(token), _logprob(value))  # two tokens of one string: the likelier
+        top.append(likeliest)
+    return {"tokens": [pieces.text(e.token) for e in entries],
+            "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": top,
+            "text_offset": [e.offset for e in entries]}
+
+
+def _chat_token(pieces: TokenPieces, token: int, value: float) -> dict[str, Any]:
+    return {"token": pieces.text(token), "logprob": _logprob(value), "bytes": list(pieces.bytes(token))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], pieces: TokenPieces) -> dict[str, Any]:
+    """/v1/chat/completions' `logprobs` of some tokens: per token its string, log probability, bytes and its
+    `top_logprobs` likeliest alternatives."""
+    content = [_chat_token(pieces, e.token, e.logprob) | {"top_logprobs": [_chat_token(pieces, token, value)
+                                                                            for token, value in e.top]}
+               for e in entries]
+    return {"content": content, "refusal": None}
 
 
 def usage_chunk(object_: str, id_: str, created: int, model: str, usage_: dict[str, int]) -> dict[str, Any]:
