@@ -40,7 +40,7 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.runtime.batch import BatchDecoder
-from llmeasyquant.runtime.detokenize import Detokenizer, TokenPieces
+from llmeasyquant.runtime.detokenize import Detokenizer
 from llmeasyquant.runtime.kv_pool import MIB, FloatPool, KVPool, QuantPool, Shape
 from llmeasyquant.runtime.model_parts import DecoderParts
 from llmeasyquant.runtime.requests import (
@@ -56,6 +56,7 @@ from llmeasyquant.runtime.requests import (
     TokenLogprob,
 )
 from llmeasyquant.runtime.sampling import RequestSampler, greedy_tokens, sample
+from llmeasyquant.runtime.token_pieces import TokenPieces
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from llmeasyquant.serving.metrics import RequestTracker, ServerMetrics
 from llmeasyquant.version import __version__
 
 if TYPE_CHECKING:
-    from llmeasyquant.runtime.detokenize import TokenPieces
     from llmeasyquant.runtime.engine import Engine, RequestStream
+    from llmeasyquant.runtime.token_pieces import TokenPieces
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from llmeasyquant.runtime.requests import (
 )
 
 if TYPE_CHECKING:
-    from llmeasyquant.runtime.detokenize import TokenPieces
+    from llmeasyquant.runtime.token_pieces import TokenPieces
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 LOGPROB_FLOOR = -9999.0  # what a log probability of -inf (or below this) is sent as: JSON has no infinity
