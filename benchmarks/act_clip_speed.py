@@ -26,7 +26,7 @@ from llmeasyquant import fuse_shared_inputs, load
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.runtime.decoder import LeanDecoder
-from same_process_ab import parse, parser, run_each, timed_rounds
+from same_process_ab import decode_and_prefill_rounds, decode_and_prefill_summary, parse, parser, run_each
 
 
 def set_clipping(model: nn.Module, search: bool, fraction: float) -> None:
@@ -69,16 +69,13 @@ def measure(checkpoint: Path, args: argparse.Namespace) -> dict:
     long = torch.randint(0, model.config.vocab_size, (1, args.prefill_tokens), generator=generator)
     decoder = LeanDecoder(model, max(args.prompt_tokens + args.new_tokens, args.prefill_tokens))
 
-    def side(search: bool, what: str) -> float:
-        set_clipping(model, search, args.fraction)
+    def rate(side: str, what: str) -> float:
+        set_clipping(model, side == "search", args.fraction)
         return decode_rate(decoder, prompt, args.new_tokens) if what == "decode" else prefill_rate(decoder, long)
 
-    found = {}
-    for what in ("decode", "prefill"):
-        sides = {name: (lambda search=name == "search", what=what: side(search, what)) for name in ("search", "fixed")}
-        found[what] = timed_rounds(f"{checkpoint.name} {what}", sides, args.rounds, args.seed)
+    found = decode_and_prefill_rounds(checkpoint.name, rate, ("search", "fixed"), args)
     set_clipping(model, True, args.fraction)
-    return {**found["decode"], "prefill": found["prefill"], "fraction": args.fraction}
+    return {**found, "fraction": args.fraction}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 "compared": "one decoder, every layer searching each token's clip or clipping at --fraction; both "
                             "timed in every round, in a shuffled order"}
     return run_each(args, "act_clip_speed.py", "act_clip_speed", protocol, measure,
-                    lambda row: f"decode: search {row['tok_s_search']:.2f} tok/s, fixed {row['tok_s_fixed']:.2f} "
-                                f"({row['speedup']:.3f}x); prefill: search {row['prefill']['tok_s_search']:.1f}, "
-                                f"fixed {row['prefill']['tok_s_fixed']:.1f} ({row['prefill']['speedup']:.3f}x)")
+                    decode_and_prefill_summary("search", "fixed"))
 
 
 if __name__ == "__main__":

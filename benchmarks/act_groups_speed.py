@@ -26,7 +26,7 @@ from llmeasyquant.errors import ConfigError
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.runtime.decoder import LeanDecoder
 from llmeasyquant.scheme import PerToken
-from same_process_ab import parse, parser, run_each, timed_rounds
+from same_process_ab import decode_and_prefill_rounds, decode_and_prefill_summary, parse, parser, run_each
 
 
 def one_scale_a_token(model: nn.Module) -> None:
@@ -53,13 +53,11 @@ def measure(checkpoint: Path, args: argparse.Namespace) -> dict:
         fuse_shared_inputs(model)
         model.eval()
         decoders[name] = LeanDecoder(model, max(args.prompt_tokens + args.new_tokens, args.prefill_tokens))
-    found = {}
-    for what in ("decode", "prefill"):
-        sides = {name: (lambda decoder=decoder, what=what: decode_rate(decoder, prompt, args.new_tokens)
-                        if what == "decode" else prefill_rate(decoder, long))
-                 for name, decoder in decoders.items()}
-        found[what] = timed_rounds(f"{checkpoint.name} {what}", sides, args.rounds, args.seed)
-    return {**found["decode"], "prefill": found["prefill"]}
+    def rate(side: str, what: str) -> float:
+        decoder = decoders[side]
+        return decode_rate(decoder, prompt, args.new_tokens) if what == "decode" else prefill_rate(decoder, long)
+
+    return decode_and_prefill_rounds(checkpoint.name, rate, ("groups", "token"), args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 "compared": "the checkpoint loaded twice: activation scales per token per group as stored, and one "
                             "a token; both timed in every round, in a shuffled order"}
     return run_each(args, "act_groups_speed.py", "act_groups_speed", protocol, measure,
-                    lambda row: f"decode: groups {row['tok_s_groups']:.2f} tok/s, token {row['tok_s_token']:.2f} "
-                                f"({row['speedup']:.3f}x); prefill: groups {row['prefill']['tok_s_groups']:.1f}, "
-                                f"token {row['prefill']['tok_s_token']:.1f} ({row['prefill']['speedup']:.3f}x)")
+                    decode_and_prefill_summary("groups", "token"))
 
 
 if __name__ == "__main__":

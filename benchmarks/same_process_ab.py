@@ -6,6 +6,7 @@ checkpoint in the results file."""
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 from collections.abc import Callable
@@ -52,6 +53,26 @@ def timed_rounds(name: str, sides: dict[str, Callable[[], float]], rounds: int, 
     medians = {side: statistics.median(r[side] for r in found) for side in sides}
     return {**{f"tok_s_{side}": medians[side] for side in sides}, "speedup": medians[first] / medians[second],
             "rounds_won": sum(r[first] > r[second] for r in found), "rounds": found}
+
+
+def decode_and_prefill_rounds(name: str, rate: Callable[[str, str], float], sides: tuple[str, str],
+                               args: argparse.Namespace) -> dict:
+    """`timed_rounds` for decode, then for prefill; `rate(side, what)` is one side's tokens/s at "decode" or
+    "prefill". The decode medians at the top of the result, the prefill's under "prefill"."""
+    found = {what: timed_rounds(f"{name} {what}", {side: functools.partial(rate, side, what) for side in sides},
+                                args.rounds, args.seed)
+             for what in ("decode", "prefill")}
+    return {**found["decode"], "prefill": found["prefill"]}
+
+
+def decode_and_prefill_summary(first: str, second: str) -> Callable[[dict], str]:
+    """The printed line for a `decode_and_prefill_rounds` result of the sides `first` and `second`."""
+    def summary(row: dict) -> str:
+        prefill = row["prefill"]
+        return (f"decode: {first} {row[f'tok_s_{first}']:.2f} tok/s, {second} {row[f'tok_s_{second}']:.2f} "
+                f"({row['speedup']:.3f}x); prefill: {first} {prefill[f'tok_s_{first}']:.1f}, {second} "
+                f"{prefill[f'tok_s_{second}']:.1f} ({prefill['speedup']:.3f}x)")
+    return summary
 
 
 def run_each(args: argparse.Namespace, script: str, kind: str, protocol: dict,

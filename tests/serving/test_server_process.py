@@ -125,6 +125,12 @@ def metrics(server: Server) -> dict:
     return metric_samples(response.text)
 
 
+def kv_freed(server: Server) -> bool:
+    """No sequence runs and no KV block is held: what a cancelled request leaves once the engine has stepped."""
+    now = metrics(server)
+    return now["llmeasyquant_kv_cache_blocks_used", ()] == 0 and now["llmeasyquant_running_sequences", ()] == 0
+
+
 # the openai client -----------------------------------------------------------------------------------------------
 
 
@@ -283,11 +289,7 @@ def test_a_client_that_disconnects_is_cancelled_and_frees_its_kv_blocks(server: 
         poll(lambda: requests_by(metrics(server), "cancelled") == requests_by(before, "cancelled") + 2,
              what="the non-stream request counted as cancelled")
 
-    def freed() -> bool:
-        now = metrics(server)
-        return now["llmeasyquant_kv_cache_blocks_used", ()] == 0 and now["llmeasyquant_running_sequences", ()] == 0
-
-    poll(freed, what="the KV blocks coming back")
+    poll(lambda: kv_freed(server), what="the KV blocks coming back")
     after = metrics(server)
     assert after["llmeasyquant_kv_cache_used_bytes", ()] == 0
     assert after["llmeasyquant_kv_cache_free_bytes", ()] > 0
@@ -311,11 +313,7 @@ def test_a_client_that_disconnects_cancels_every_choice(server: Server) -> None:
     poll(lambda: requests_by(metrics(server), "cancelled") == requests_by(before, "cancelled") + 1,
          what="the request counted as cancelled")
 
-    def freed() -> bool:
-        now = metrics(server)
-        return now["llmeasyquant_kv_cache_blocks_used", ()] == 0 and now["llmeasyquant_running_sequences", ()] == 0
-
-    poll(freed, what="the KV blocks of all three choices coming back")
+    poll(lambda: kv_freed(server), what="the KV blocks of all three choices coming back")
     assert metrics(server)["llmeasyquant_generation_tokens_total", ()] < \
         before["llmeasyquant_generation_tokens_total", ()] + 3 * LONG
 
