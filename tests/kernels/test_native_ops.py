@@ -17,7 +17,8 @@ from llmeasyquant.kernels import candidates, native
 from llmeasyquant.kernels.cpu import quantize_rows_symmetric
 from llmeasyquant.models.arch import rotate_half as _rotate_half
 from llmeasyquant.nn.qlinear import forced_kernel
-from llmeasyquant.primitives import MIN_SCALE
+from llmeasyquant.primitives import MIN_SCALE, choose_qparams, qrange, quantize
+from llmeasyquant.scheme import PerToken
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler on this machine: the fused operators cannot be built, decoding runs on PyTorch "
@@ -42,6 +43,29 @@ def test_quantize_rows_is_bit_identical(ops, count, width, bits):
     assert int(codes.abs().max()) == qmax
     assert torch.equal(codes, expected_codes)
     assert torch.equal(scales, expected_scales)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("count", [1, 3, 16, 513])
+@pytest.mark.parametrize("width", [64, 576, 1000])
+def test_asymmetric_quantize_rows_is_bit_identical(ops, count, width, bits):
+    """The fused asymmetric quantizer gives choose_qparams' scales and zero points and quantize's codes exactly:
+    mixed, all-positive (zero point at qmin), all-negative and all-zero rows, and values on rounding ties."""
+    qmin, qmax = qrange(bits)
+    x = rows(count, width, seed=width + count)
+    if count > 2:
+        x[0] = x[0].abs() + 0.25
+        x[1] = -x[1].abs()
+        x[2] = 0.0
+    lo, hi = float(x[-1].min()), float(x[-1].max())
+    x[-1, :3] = torch.tensor([lo, hi, lo + (hi - lo) / (qmax - qmin) * 2.5])  # a tie between two codes
+    codes, scales, zeros = ops.quantize_rows_asym(x, MIN_SCALE, qmin, qmax)
+    qp = choose_qparams(x, bits, False, PerToken(), scale_dtype=None)
+    assert torch.equal(scales, qp.scale) and torch.equal(zeros, qp.zero)
+    assert torch.equal(codes, quantize(x, qp, bits))
+    assert int(codes.min()) == qmin or int(codes.max()) == qmax
+    with pytest.raises(RuntimeError, match="code range"):
+        ops.quantize_rows_asym(x, MIN_SCALE, 0, qmax)
 
 
 @pytest.mark.parametrize("count", [4, 300])

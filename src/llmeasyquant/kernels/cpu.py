@@ -317,13 +317,14 @@ def tile_int4_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 class NativeInt4Int8Kernel:
-    """W4A8 (and W4A4) on the native integer matmul: dynamic int8 (or 4-bit) activations per token (symmetric: the
-    fused quantize_rows), 4-bit group-wise weights unpacked to bytes in registers, int32 sums per group (VNNI where
-    the CPU has it) scaled in fp32: the reference kernel's integer product, exact per group (bit for bit with
-    per-channel weights; with groups, the fp32 sum over groups may round differently). Groups must be multiples of 8
-    wide (or span the row). Calls of 32 rows or more (a prompt) on 512 channels or more run on AMX's int8 tiles
-    where the CPU and OS allow (native/w4a8_amx.cpp: the same int32 sums and fp32 steps, so the same bits; 1.6-1.8x
-    the VNNI loop on a 512-row GEMM of SmolLM2's shapes, docs/RESULTS.md "W4A8 prefill on AMX tiles").
+    """W4A8 (and W4A4) on the native integer matmul: dynamic int8 (or 4-bit) activations per token (the fused
+    quantize_rows, or quantize_rows_asym with zero points), 4-bit group-wise weights unpacked to bytes in registers,
+    int32 sums per group (VNNI where the CPU has it) scaled in fp32: the reference kernel's integer product, exact
+    per group (bit for bit with per-channel weights; with groups, the fp32 sum over groups may round differently).
+    Groups must be multiples of 8 wide (or span the row). Calls of 32 rows or more (a prompt) on 512 channels or
+    more run on AMX's int8 tiles where the CPU and OS allow (native/w4a8_amx.cpp: the same int32 sums and fp32
+    steps, so the same bits; 1.6-1.8x the VNNI loop on a 512-row GEMM of SmolLM2's shapes, docs/RESULTS.md "W4A8
+    prefill on AMX tiles").
 
     Asymmetric activations (codes q_x with a zero point z_x per token): the kernel multiplies q_x as they are, and
     s_x Σ_k (q_x - z_x) Ŵ_k = kernel(q_x) - s_x z_x Σ_k Ŵ_k, with Σ_k Ŵ_k (each output channel's dequantized weight
@@ -364,22 +365,26 @@ class NativeInt4Int8Kernel:
         ops = native.built()  # a layer that chose this kernel keeps it if the switch is turned off later
         act = layer.scheme.act
         with scope(QUANTIZE_ACTIVATIONS):
-            if act.symmetric and (act.group_size is None or x.shape[1] % act.group_size == 0):
-                # Whole groups: each group of a token is a row of the fused quantizer's.
+            if act.group_size is None or x.shape[1] % act.group_size == 0:
+                # The fused quantizers, per row; with whole groups each group of a token is a row of theirs.
                 rows = x if act.group_size is None else x.reshape(-1, act.group_size)
-                qx, x_scale = ops.quantize_rows(rows, MIN_SCALE, qrange(act.bits)[1])
+                if act.symmetric:
+                    qx, x_scale = ops.quantize_rows(rows, MIN_SCALE, qrange(act.bits)[1])
+                else:
+                    qx, x_scale, x_zero = ops.quantize_rows_asym(rows, MIN_SCALE, *qrange(act.bits))
+                    x_zero = x_zero.reshape(x.shape[0], -1)
                 qx, x_scale = qx.reshape(x.shape), x_scale.reshape(x.shape[0], -1)
             else:
                 qp = layer.activation_qparams(x)
-                qx, x_scale = quantize(x, qp, act.bits), qp.scale
+                qx, x_scale, x_zero = quantize(x, qp, act.bits), qp.scale, qp.zero
         with scope(NATIVE_GEMM):
             y = ops.int4_int8_matmul(qx, x_scale, prepared["tiled"], prepared["scales"], prepared["offsets"],
                                      layer.group_size, layer.out_features)
         if act.symmetric:
             return y
         if act.group_size is not None:  # [tokens, groups] x [groups, out]
-            return y - (x_scale * qp.zero) @ prepared["weight_sums"]
-        return y - (x_scale * qp.zero) * prepared["weight_sums"][None, :]
+            return y - (x_scale * x_zero) @ prepared["weight_sums"]
+        return y - (x_scale * x_zero) * prepared["weight_sums"][None, :]
 
 
 @dataclass(frozen=True)

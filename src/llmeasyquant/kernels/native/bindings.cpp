@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention", &causal_attention);
   m.def("silu_mul", &silu_mul);
   m.def("quantize_rows", &quantize_rows);
+  m.def("quantize_rows_asym", &quantize_rows_asym);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("paged_rope_store", &paged_rope_store);
   m.def("paged_attention", &paged_attention);

@@ -377,6 +377,48 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double 
   return {codes, scales};
 }
 
+// x: [rows, in] fp32, min_scale: double, qmin < 0 < qmax: the code range (-128..127 or -8..7)
+// -> (codes: [rows, in] int8, scales: [rows, 1] fp32, zeros: [rows, 1] int32)
+// Dynamic asymmetric per-row codes, bit for bit what primitives.py's choose_qparams (asymmetric, no scale rounding)
+// and quantize compute: lo = min(min x, 0), hi = max(max x, 0), scale = max((hi - lo) / (qmax - qmin), min_scale),
+// zero = clamp(round(qmin - lo / scale), qmin, qmax), codes = clamp(round(x / scale) + zero, qmin, qmax), rounding
+// ties to even (the same IEEE operations in the same order). One pass for what is eight PyTorch operators.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_asym(const at::Tensor& x_in, double min_scale,
+                                                                  int64_t qmin, int64_t qmax) {
+  TORCH_CHECK(qmin < 0 && qmax > 0 && qmin >= -128 && qmax <= 127, "the code range must hold zero and fit int8, got [",
+              qmin, ", ", qmax, "]");
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor codes = at::empty({rows, width}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows, 1}, x.options());
+  at::Tensor zeros = at::empty({rows, 1}, x.options().dtype(at::kInt));
+  const float* px = x.data_ptr<float>();
+  int8_t* pc = codes.data_ptr<int8_t>();
+  float* ps = scales.data_ptr<float>();
+  int32_t* pz = zeros.data_ptr<int32_t>();
+  const float low_code = static_cast<float>(qmin), high_code = static_cast<float>(qmax);
+  for_rows(rows, width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* row = px + r * width;
+      float lo = 0.0f, hi = 0.0f;  // min and max are exact in any order
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+      for (int64_t i = 0; i < width; ++i) {
+        lo = std::min(lo, row[i]);
+        hi = std::max(hi, row[i]);
+      }
+      const float scale = std::max((hi - lo) / static_cast<float>(qmax - qmin), static_cast<float>(min_scale));
+      const float zero = std::min(std::max(std::nearbyint(low_code - lo / scale), low_code), high_code);
+      ps[r] = scale;
+      pz[r] = static_cast<int32_t>(zero);
+      int8_t* out = pc + r * width;
+      for (int64_t i = 0; i < width; ++i)
+        out[i] = static_cast<int8_t>(std::min(std::max(std::nearbyint(row[i] / scale) + zero, low_code), high_code));
+    }
+  });
+  return {codes, scales, zeros};
+}
+
 // acc: [rows, out] int32, row_scales: [rows, 1] fp32, column_scales: [out] fp32 -> out: [rows, out] fp32
 // float(acc) * row_scale * column_scale for acc [rows, out] int32, row_scales [rows, 1], column_scales [out]:
 // the W8A8 kernel's epilogue in its order, bit for bit.

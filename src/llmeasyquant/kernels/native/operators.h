@@ -29,6 +29,9 @@ bool use_blas(bool wanted);
 at::Tensor silu_mul(const at::Tensor& gate_up_in);
 // x: [rows, in] fp32, qmax: the largest code (127 or 7) -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double min_scale, int64_t qmax);
+// x: [rows, in] fp32, [qmin, qmax]: the code range -> (codes: [rows, in] int8, scales: [rows, 1] fp32, zeros: [rows, 1] int32)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_asym(const at::Tensor& x_in, double min_scale,
+                                                                  int64_t qmin, int64_t qmax);
 // acc: [rows, out] int32, row_scales: [rows, 1] fp32, column_scales: [out] fp32 -> [rows, out] fp32
 at::Tensor dequantize_rows(const at::Tensor& acc_in, const at::Tensor& row_scales_in,
                            const at::Tensor& column_scales_in);
