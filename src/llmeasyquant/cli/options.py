@@ -69,8 +69,8 @@ def add_scheme_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-group-size", type=int, default=None, metavar="N",
                    help="dynamic activation scales per token per N channels instead of one per token (N must "
                    "equal --group-size: the integer kernel scales each group's sum by both scales; scheme suffix "
-                   "-agN). At 4 bits each group rounds on its own range: a rotated token's error drops by about "
-                   "a quarter")
+                   "-agN). At 4 bits each group rounds on its own range: SmolLM2 at W4A4, +44.9%% perplexity "
+                   "against +62.4%% with one scale a token (docs/methods.md, 'Activation groups')")
     p.add_argument("--act-mode", choices=[mode.value for mode in ActMode],
                    help="with --act-bits 8: 'dynamic' per-token scales computed on the fly (default); 'static' one "
                    "per-tensor scale per layer from calibration data; 'online' a per-tensor range tracked with an "
