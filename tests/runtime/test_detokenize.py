@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from functools import partial
+
+import pytest
+
 from llmeasyquant.runtime.detokenize import Detokenizer
 
 
@@ -56,3 +60,29 @@ def test_half_a_character_goes_with_the_token_that_completes_it() -> None:
     assert held == [("a", 1), ("", 1), ("", 1), ("\u65e5b", 4)]  # the first half waits with the character
     detokenizer, cut = feed([b"a", b"\xe6\x97", b"\xa5", b"b"], stop=("\u65e5",))
     assert detokenizer.stopped and cut == [("a", 1), ("", 1), ("", 1)]  # both halves are in the stop string
+
+
+@pytest.mark.parametrize("whole", ["the river flows past the town", "a quiet morning, then rain"])
+def test_the_completion_is_what_the_whole_decodes_to_past_the_prompt(tiny_tokenizer, whole) -> None:
+    """SentencePiece-style decoders drop the leading space of a text's first word: the first new token is decoded
+    after the prompt's last tokens, so a completion that starts a word keeps its space (and one that starts the
+    text has none, as decoding the whole says)."""
+    ids = tiny_tokenizer.encode(whole)
+    decode = partial(tiny_tokenizer.decode, skip_special_tokens=True)
+    spaced = 0
+    for split in range(1, len(ids)):  # the BOS alone, then every prompt the tokens allow
+        context, new = ids[:split], ids[split:]
+        detokenizer = Detokenizer(tiny_tokenizer, (), context)
+        text = "".join(detokenizer.add(token) for token in new) + detokenizer.flush()
+        assert text == decode(ids)[len(decode(context)):], split
+        assert detokenizer.released_tokens() == len(new)
+        spaced += text.startswith(" ")
+    assert spaced >= 3  # the case this is about: completions that start a word
+
+
+def test_a_prompt_ending_in_half_a_character_leaves_the_completion_whole() -> None:
+    pieces = [b"a", b"\xe6\x97", b"\xa5", b"b"]  # the prompt [0, 1] ends inside U+65E5; the completion ends it
+    detokenizer = Detokenizer(BytesTokenizer(pieces), (), [0, 1])
+    # The prompt's own half is not taken as known text (which would shift the completion by a character): the
+    # completion's half shows as one replacement character, and nothing after it is lost.
+    assert detokenizer.add(2) + detokenizer.add(3) + detokenizer.flush() == "\ufffdb"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from functools import partial
 
 import pytest
 import torch
@@ -200,6 +201,15 @@ def test_stop_strings_cut_the_text(engine_for, tiny_tokenizer):
                                                            stop=(stop,)))
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.index(stop)]
+
+
+def test_the_text_is_what_prompt_and_completion_decode_to_past_the_prompt(engine_for, tiny_tokenizer):
+    """The tiny tokenizer is SentencePiece-style: a completion that starts a word keeps its leading space."""
+    engine = engine_for(lively())
+    decode = partial(tiny_tokenizer.decode, skip_special_tokens=True)
+    for prompt in prompts(4):
+        done = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        assert done.text == decode(prompt + done.token_ids)[len(decode(prompt)):]
 
 
 def test_seeded_sampling_repeats_whatever_runs_beside_it(engine_for):

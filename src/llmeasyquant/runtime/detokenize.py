@@ -5,6 +5,10 @@ at every step costs the square of the length. So the text is decoded over a shor
 before the new ones (`prefix`), and a delta is released only once it no longer ends in an incomplete character.
 A stop string may arrive over several tokens: text that could still become one is held back until it cannot.
 
+The window of the first new tokens starts in the prompt (`context`, its last few tokens, decoded but never
+released): SentencePiece-style decoders drop the leading space of a text's first word, so decoding the new tokens
+on their own would lose the space before the first word of every completion ("▁Paris" after "The capital is").
+
 Log probabilities follow the text: each token's text starts where the text stood when it came (`starts`), and
 `released_tokens` says how many tokens the released text accounts for, so that a token's log probability is sent
 with its text, never before it, and never for a token a stop string cut off (runtime/token_pieces.py names the
@@ -14,15 +18,20 @@ tokens themselves).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+CONTEXT_TOKENS = 4  # prompt tokens the first window starts with: enough that the first new token is mid-text
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), context: Sequence[int] = ()) -> None:
+        """`context`: the prompt's ids (its last CONTEXT_TOKENS are used; none of their text is released)."""
         self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] decode to text already released
+        self.ids = list(context)[-CONTEXT_TOKENS:]
+        while self.ids and self._decode(self.ids).endswith(REPLACEMENT):
+            self.ids.pop()  # a prompt that ends in half a character: its text would shift the first new token's
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] decode to text already known
         self.text = ""  # all text decoded so far (stop strings not yet cut)
         self.sent = 0  # characters of `text` released
         self.stopped = False

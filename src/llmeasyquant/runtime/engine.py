@@ -326,7 +326,7 @@ class Engine:
         else:  # drawn even for greedy requests, so that the engine's draws do not depend on them
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
         generator = None if params.greedy else torch.Generator().manual_seed(seed)
-        sequence = _Sequence(stream, params, ids, Detokenizer(self.tokenizer, params.stop), generator)
+        sequence = _Sequence(stream, params, ids, Detokenizer(self.tokenizer, params.stop, ids), generator)
         if not params.plain:
             sequence.sampler = RequestSampler(params, self.vocab, generator)
             sequence.logprobs = None if params.logprobs is None else []
