@@ -3,6 +3,7 @@ cancellation, stop strings, sampling and shutdown."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 from functools import partial
@@ -456,3 +457,70 @@ def test_logit_bias_outside_the_vocabulary_is_refused_with_the_range(engine_for)
         engine.submit([5, 6], SamplingParams(logit_bias={300: 1.0}))
     assert error.value.param == "logit_bias"
     assert engine.generate([5, 6, 7], GREEDY).completion_tokens == 12  # and it still serves
+
+
+def reference_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of the model's own full forward over the prompt: [positions, vocab]."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+
+def test_prompt_logprobs_are_the_models_own_over_every_chunk(engine_for):
+    model = lively()
+    engine = engine_for(model, kv_dtype="float32")  # the fixture's chunks are 16 tokens: 41 tokens take three
+    prompt = prompts(7)[6]
+    done = engine.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=3))
+    assert done.token_ids == [] and done.text == "" and done.finish_reason == "length"
+    reference = reference_logprobs(model, prompt)
+    scores = done.prompt_logprobs
+    assert [entry.token for entry in scores] == prompt[1:]
+    expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(torch.tensor([entry.logprob for entry in scores]), expected, atol=1e-4, rtol=0)
+    for entry, row in zip(scores, reference, strict=False):
+        assert [token for token, _ in entry.top] == row.topk(3).indices.tolist()
+    assert engine.stats().blocks_used == 0  # a scored prompt gives its blocks back
+
+
+def test_scoring_the_prompt_changes_nothing_generated_beside_it(engine_for):
+    model = lively()
+    engine = engine_for(model, kv_dtype="float32")
+    batch = prompts(4)
+    plain = run_all(engine, batch)
+    streams = [engine.submit(p, dataclasses.replace(GREEDY, prompt_logprobs=0 if i % 2 else None))
+               for i, p in enumerate(batch)]
+    events = [list(stream) for stream in streams]
+    assert [[t for e in ev for t in e.token_ids] for ev in events] == plain
+    for i, (prompt, ev) in enumerate(zip(batch, events, strict=True)):
+        scores = [e.prompt_logprobs for e in ev if e.prompt_logprobs is not None]
+        if i % 2 == 0:
+            assert scores == []
+            continue
+        assert len(scores) == 1 and ev[0].prompt_logprobs is scores[0]  # once, on the first event
+        alone = engine.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0)).prompt_logprobs
+        assert [e.token for e in scores[0]] == [e.token for e in alone] and all(e.top == () for e in alone)
+        # The LM head's product over another number of rows may round differently: close, not bit for bit.
+        torch.testing.assert_close([e.logprob for e in scores[0]], [e.logprob for e in alone], atol=1e-5, rtol=0)
+
+
+def test_max_tokens_zero_needs_prompt_logprobs(engine_for):
+    engine = engine_for(lively())
+    with pytest.raises(RequestError, match="0 only to score the prompt") as error:
+        engine.submit([5, 6, 7], SamplingParams(max_tokens=0))
+    assert error.value.param == "max_tokens"
+    with pytest.raises(RequestError) as error:
+        engine.submit([5, 6, 7], SamplingParams(prompt_logprobs=21))
+    assert error.value.param == "prompt_logprobs"
+
+
+def test_several_prompts_are_queued_together_or_not_at_all(engine_for):
+    engine = engine_for(lively(), max_running=1, max_queue=3)
+    batch = prompts(3)
+    groups = engine.submit_prompts(batch, GREEDY, 1)
+    assert [[t for e in group[0] for t in e.token_ids] for group in groups] == run_all(engine, batch)
+    with pytest.raises(RequestError, match=r"3 prompts x n=2 completions can never be queued") as error:
+        engine.submit_prompts(batch, GREEDY, 2)
+    assert error.value.param == "prompt"
+    with pytest.raises(RequestError, match=r"^prompt 1: token id 999 is outside") as error:
+        engine.submit_prompts([[5, 6], [7, 999]], GREEDY)
+    assert error.value.param == "prompt"
+    assert engine.stats().waiting == 0 and engine.stats().running == 0  # the first prompt was not queued either

@@ -315,6 +315,71 @@ def test_n_choices_streamed_interleave_tagged_with_their_index(client: TestClien
             assert streamed_logprobs(chunks, choice["index"]) == choice["logprobs"]
 
 
+def test_several_prompts_answer_n_choices_each_in_order(client: TestClient, engine: Engine) -> None:
+    texts = [PROMPT, "hello there", "one two"]
+    ids = engine.tokenizer(texts[1])["input_ids"]
+    body = client.post("/v1/completions", json=completion([texts[0], ids, texts[2]], n=2, max_tokens=5,
+                                                           ignore_eos=True)).json()
+    # Choice p * n + j is prompt p's j-th (greedy: both of a prompt's choices are alike).
+    alone = [greedy(engine, prompt, 5) for prompt in (texts[0], ids, texts[2])]
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert [c["text"] for c in body["choices"]] == [a.text for a in alone for _ in range(2)]
+    assert body["usage"]["prompt_tokens"] == sum(a.prompt_tokens for a in alone)  # each prompt once
+    assert body["usage"]["completion_tokens"] == 6 * 5
+    chunks, _ = sse_chunks(client.post("/v1/completions", json=completion(texts, max_tokens=5, ignore_eos=True,
+                                                                          stream=True)).text)
+    for index, expected in enumerate(alone):  # a string prompt and its token ids are the same prompt
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == index) == \
+            expected.text
+
+
+def test_echo_starts_each_choice_with_its_prompt(client: TestClient, engine: Engine) -> None:
+    body = client.post("/v1/completions", json=completion(echo=True, max_tokens=6, ignore_eos=True)).json()
+    alone = greedy(engine, PROMPT, 6)
+    assert body["choices"][0]["text"] == PROMPT + alone.text
+    ids = engine.tokenizer(PROMPT)["input_ids"]
+    by_ids = client.post("/v1/completions", json=completion(ids, echo=True, max_tokens=0)).json()
+    assert by_ids["choices"][0] == {"index": 0, "text": engine.decode(ids), "finish_reason": "length",
+                                    "logprobs": None}
+    assert by_ids["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    chunks, last = sse_chunks(client.post("/v1/completions", json=completion(
+        echo=True, max_tokens=6, ignore_eos=True, stream=True)).text)
+    assert last == "[DONE]" and chunks[0]["choices"][0]["text"].startswith(PROMPT)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + alone.text
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 4])
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client: TestClient, engine: Engine,
+                                                                  max_tokens: int) -> None:
+    """What lm-evaluation-harness's local-completions sends for a log-likelihood: token ids, echo, logprobs and
+    max_tokens 1 (or 0); the prompt's tokens come first, the first with nulls."""
+    ids = [engine.tokenizer(text)["input_ids"] for text in (PROMPT, "hello there, the fox")]
+    body = completion(ids, echo=True, logprobs=2, max_tokens=max_tokens, ignore_eos=True)
+    whole = client.post("/v1/completions", json=body).json()
+    pieces = engine.token_pieces
+    for prompt, choice in zip(ids, whole["choices"], strict=True):
+        logprobs = choice["logprobs"]
+        scored = greedy(engine, prompt, max_tokens, logprobs=2, prompt_logprobs=2)
+        assert len(scored.prompt_logprobs) == len(prompt) - 1
+        assert logprobs["tokens"] == [pieces.text(t) for t in prompt + scored.token_ids]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        expected = [e.logprob for e in scored.prompt_logprobs + scored.logprobs]
+        assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
+        for entry, top in zip(scored.prompt_logprobs, logprobs["top_logprobs"][1:], strict=False):
+            assert pieces.text(entry.token) in top and len(top) >= 2  # the prompt token and the 2 likeliest
+            assert max(top.values()) == pytest.approx(entry.top[0][1], abs=1e-5)
+        echoed = engine.decode(prompt)
+        assert choice["text"] == echoed + scored.text
+        offsets = logprobs["text_offset"]
+        assert offsets == sorted(offsets) and offsets[len(prompt):] == [len(echoed) + e.offset for e in scored.logprobs]
+    if max_tokens:
+        chunks, _ = sse_chunks(client.post("/v1/completions", json=body | {"stream": True}).text)
+        for index, choice in enumerate(whole["choices"]):
+            streamed = streamed_logprobs(chunks, index)
+            assert streamed["tokens"] == choice["logprobs"]["tokens"]
+            assert streamed["token_logprobs"][1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-5)
+
+
 def test_choices_whose_events_wait_already_take_turns() -> None:
     """A reader that starts after the engine queued several events of each choice still interleaves them."""
     import asyncio
@@ -323,7 +388,7 @@ def test_choices_whose_events_wait_already_take_turns() -> None:
     from llmeasyquant.serving.app import _merged
 
     async def order() -> list[int]:
-        streams = [RequestStream(f"cmpl-{i}", 3) for i in range(3)]
+        streams = [RequestStream(f"cmpl-{i}", [5, 6, 7]) for i in range(3)]
         for stream in streams:
             for k in range(4):
                 stream.push(TokenEvent("x", (k,), 3, k + 1, "length" if k == 3 else None))
@@ -336,17 +401,18 @@ def test_choices_whose_events_wait_already_take_turns() -> None:
 def test_a_choice_that_fails_cancels_the_others(client: TestClient, engine: Engine,
                                                  monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
     made: list = []
-    submit_many = engine.submit_many
+    submit_prompts = engine.submit_prompts
 
-    def one_fails(prompt, params, n=1):
-        streams = submit_many(prompt, params, n)
+    def one_fails(prompts, params, n=1):
+        groups = submit_prompts(prompts, params, n)
+        streams = groups[0]
         made.extend(streams)
         # What the engine pushes when a step fails, to one choice only: the others must not run on.
         streams[1].push(TokenEvent("", (), streams[1].prompt_tokens, 0, "error"))
         streams[1].cancel()
-        return streams
+        return groups
 
-    monkeypatch.setattr(engine, "submit_many", one_fails)
+    monkeypatch.setattr(engine, "submit_prompts", one_fails)
     body = completion(max_tokens=200, ignore_eos=True, n=3, stream=stream)
     response = client.post("/v1/completions", json=body)
     if stream:
@@ -389,7 +455,7 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
 
 TOO_LONG = " ".join(["the quick brown fox"] * 200)
 BAD = [  # (endpoint, body, status, param, code or None to skip, words the message holds)
-    ("completions", completion(max_tokens=0), 400, "max_tokens", None, "max_tokens"),
+    ("completions", completion(max_tokens=0), 400, "max_tokens", None, "only with echo"),
     ("completions", completion(max_tokens=-3), 400, "max_tokens", None, "max_tokens"),
     ("completions", completion(max_tokens=CONTEXT), 400, "max_tokens", "context_length_exceeded", "context"),
     ("completions", completion(TOO_LONG), 400, "prompt", "context_length_exceeded", "prompt"),
@@ -407,11 +473,13 @@ BAD = [  # (endpoint, body, status, param, code or None to skip, words the messa
     ("completions", {"prompt": PROMPT}, 400, "model", "missing", "model"),
     ("completions", {"model": NAME}, 400, "prompt", "missing", "prompt"),
     ("completions", completion(model="gpt-4"), 404, "model", "model_not_found", "gpt-4"),
-    ("completions", completion(["one", "two"]), 400, "prompt", "unsupported", "one request per prompt"),
+    ("completions", completion(["one", TOO_LONG]), 400, "prompt", "context_length_exceeded", "prompt 1: the prompt"),
+    ("completions", completion(["one", 5]), 400, "prompt", None, "list of prompts"),
+    ("completions", completion([[5, 6], [7, 999_999]]), 400, "prompt", None, "prompt 1: token id 999999"),
+    ("completions", completion(["a"] * 5, n=2), 400, "prompt", None, "5 prompts x n=2"),
     ("completions", completion([]), 400, "prompt", None, "empty"),
     ("completions", completion(12), 400, "prompt", None, "string"),
     ("completions", completion([5, 999_999]), 400, "prompt", None, "vocabulary"),
-    ("completions", completion(echo=True), 400, "echo", "unsupported", "echo"),
     ("completions", completion(logprobs=21), 400, "logprobs", "invalid_value", "[0, 20]"),
     ("completions", completion(logprobs=-1), 400, "logprobs", "invalid_value", "[0, 20]"),
     ("completions", completion(logprobs=True), 400, "logprobs", "int_type", "integer"),
@@ -452,7 +520,7 @@ BAD = [  # (endpoint, body, status, param, code or None to skip, words the messa
     ("chat/completions", chat(response_format={"type": "json_object"}), 400, "response_format", "unsupported",
      "json_object"),
     ("chat/completions", chat(n=17), 400, "n", "invalid_value", "[1, 16]"),
-    ("chat/completions", chat(max_tokens=0), 400, "max_tokens", None, "max_tokens"),
+    ("chat/completions", chat(max_tokens=0), 400, "max_tokens", None, "generates nothing"),
     ("chat/completions", chat(TOO_LONG), 400, "prompt", "context_length_exceeded", "prompt"),
 ]
 
@@ -511,7 +579,7 @@ def test_queue_full_is_429_with_retry_after(client: TestClient, engine: Engine,
     def full(*_: object) -> None:
         raise QueueFull("4 requests are running and 4 waiting; retry later", retry_after_s=2.5)
 
-    monkeypatch.setattr(engine, "submit_many", full)
+    monkeypatch.setattr(engine, "submit_prompts", full)
     response = client.post("/v1/completions", json=completion())
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "3"

@@ -211,6 +211,33 @@ def test_logprobs_penalties_and_n_with_the_openai_client(client: openai.OpenAI) 
                                                                         for i in content]
 
 
+def test_a_log_likelihood_request_as_lm_evaluation_harness_sends_it(client: openai.OpenAI, folder: Path) -> None:
+    """local-completions' log-likelihood request: a batch of token-id prompts, echo, logprobs 1, max_tokens 1; it
+    sums token_logprobs[ctxlen:-1] and calls a continuation greedy when each is the largest of its top_logprobs."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    context, continuation = tokenizer(PROMPTS[0])["input_ids"], tokenizer(" the river", add_special_tokens=False)
+    batch = [context + continuation["input_ids"], context]
+    answer = client.completions.create(model=NAME, prompt=batch, temperature=0, max_tokens=1, logprobs=1, seed=1234,
+                                       echo=True)
+    assert [c.index for c in answer.choices] == [0, 1]
+    for prompt, choice in zip(batch, answer.choices, strict=True):
+        logprobs = choice.logprobs
+        assert len(logprobs.token_logprobs) == len(prompt) + 1  # the prompt's tokens and the one generated
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+        assert all(1 <= len(top) <= 2 and max(top.values()) >= value
+                   for value, top in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True))
+    # The context's own scores are the same whatever follows it (causal), up to the batch's rounding.
+    shared = answer.choices[0].logprobs.token_logprobs[1:len(context)]
+    assert shared == pytest.approx(answer.choices[1].logprobs.token_logprobs[1:len(context)], abs=1e-4)
+    scored = client.completions.create(model=NAME, prompt=batch[1], max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == tokenizer.decode(context, skip_special_tokens=True)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(shared, abs=1e-4)
+    assert scored.usage.completion_tokens == 0
+
+
 @pytest.mark.parametrize(("options", "param"), [({"presence_penalty": 3}, "presence_penalty"),
                                                 ({"logit_bias": {"x": 1}}, "logit_bias"),
                                                 ({"logit_bias": {"100000": 1}}, "logit_bias"),
@@ -238,8 +265,8 @@ def test_raw_bad_inputs_and_auth(server: Server) -> None:
         assert unauthorized.status_code == 401
         malformed = http.post("/v1/completions", content=b'{"model": ', headers=AUTH)
         assert malformed.status_code == 400 and malformed.json()["error"]["code"] == "invalid_json"
-        several = http.post("/v1/completions", json={"model": NAME, "prompt": ["a", "b"]}, headers=AUTH)
-        assert several.status_code == 400 and several.json()["error"]["param"] == "prompt"
+        mixed = http.post("/v1/completions", json={"model": NAME, "prompt": ["a", 5]}, headers=AUTH)
+        assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
         too_many = http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 5000},
                              headers=AUTH)
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"

@@ -93,3 +93,12 @@ class Detokenizer:
         while 0 < count < len(starts) and starts[count - 1] == starts[count]:
             count -= 1
         return count
+
+
+def text_starts(tokenizer, ids: Sequence[int]) -> list[int]:
+    """Where each token's text starts in the text `ids` decode to (skipping special tokens), decoded the way a
+    completion is: a token of half a character starts where the character does."""
+    detokenizer = Detokenizer(tokenizer)
+    for token in ids:
+        detokenizer.add(token)
+    return detokenizer.starts

@@ -12,10 +12,13 @@ One background thread runs steps. Each step:
 4. samples each sequence's next token on its own generator, detokenizes it, cuts stop strings, and pushes an event
    to the request's stream. Sequences whose requests asked for logit_bias, penalties or log probabilities have a
    RequestSampler of their own (runtime/sampling.py) that shapes their row of logits first; the others take the
-   plain path, as if those options did not exist.
+   plain path, as if those options did not exist. Sequences that asked for prompt log probabilities also get the
+   logits of every row of their prompt chunks (the same forward; only those rows pass the LM head) and score
+   each prompt token with the row before it.
 Requests join and leave the batch at every step. The queue is bounded (`max_queue`): beyond it submit raises
 QueueFull, which a server answers with 429. `submit_many` queues n completions of one prompt (OpenAI's `n`) as n
-sequences, all of them or none.
+sequences, `submit_prompts` n completions of each of several prompts (OpenAI's list of prompts), all of them or
+none.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +43,7 @@ from torch import nn
 
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.runtime.batch import BatchDecoder
-from llmeasyquant.runtime.detokenize import Detokenizer
+from llmeasyquant.runtime.detokenize import Detokenizer, text_starts
 from llmeasyquant.runtime.kv_pool import MIB, FloatPool, KVPool, QuantPool, Shape
 from llmeasyquant.runtime.model_parts import DecoderParts
 from llmeasyquant.runtime.requests import (
@@ -55,7 +58,7 @@ from llmeasyquant.runtime.requests import (
     TokenEvent,
     TokenLogprob,
 )
-from llmeasyquant.runtime.sampling import RequestSampler, greedy_tokens, sample
+from llmeasyquant.runtime.sampling import RequestSampler, greedy_tokens, prompt_token_logprobs, sample
 from llmeasyquant.runtime.token_pieces import TokenPieces
 
 log = logging.getLogger(__name__)
@@ -93,8 +96,8 @@ class RequestStream:
     """The events of one request, readable from a thread (`for event in stream`) or from an event loop
     (`async for event in stream`). `cancel()` asks the engine to end it at its next step."""
 
-    def __init__(self, request_id: str, prompt_tokens: int) -> None:
-        self.id, self.prompt_tokens = request_id, prompt_tokens
+    def __init__(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.id, self.prompt_ids, self.prompt_tokens = request_id, prompt_ids, len(prompt_ids)
         self.cancelled = False
         self._lock = threading.Condition()
         self._events: deque[TokenEvent] = deque()
@@ -157,10 +160,20 @@ class _Sequence:
     sampler: RequestSampler | None = None  # only for requests with logit_bias, penalties or logprobs
     logprobs: list[TokenLogprob] | None = None  # one per token given to the detokenizer, when asked for
     logprobs_sent: int = 0  # how many of them have gone out in events
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, when asked for
+    prompt_offsets: list[int] = field(default_factory=list)  # where each prompt token's text starts
+    prompt_logprobs_sent: bool = False  # they go out once, with the first event
 
     @property
     def decoding(self) -> bool:
         return self.prefilled == len(self.prompt)
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The prompt log probabilities for the sequence's first event (None after it, or when not asked for)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)
 
 
 class Engine:
@@ -265,6 +278,10 @@ class Engine:
         ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens left out (as completions are decoded)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
     @functools.cached_property
     def token_pieces(self) -> TokenPieces:
         """Single tokens' bytes and strings, for answers with log probabilities."""
@@ -281,14 +298,50 @@ class Engine:
         in order. All are queued or none: QueueFull when the queue cannot take those that would wait. With a
         seed, completion i samples with seed + i (so the first is what n=1 gives, and the request repeats);
         without, each draws its own seed. Greedy completions are all the same. Errors as `submit`."""
+        return self.submit_prompts([prompt], params, n)[0]
+
+    def submit_prompts(self, prompts: Sequence[str | list[int]], params: SamplingParams | None = None,
+                       n: int = 1) -> list[list[RequestStream]]:
+        """Queue n completions of each prompt, as `submit_many` does for one; per prompt, its n streams. All of
+        them are queued or none. A prompt that cannot run is a RequestError that names it by its index."""
         params = params or SamplingParams()
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
         params.check(self.vocab)
-        if n > self.config.max_running + self.config.max_queue:
-            raise RequestError(f"n={n} completions can never be queued together: this server runs "
-                               f"{self.config.max_running} and queues {self.config.max_queue} requests at most; ask "
-                               f"for at most {self.config.max_running + self.config.max_queue}", "n")
+        if not prompts:
+            raise RequestError("no prompt was given: send at least one", "prompt")
+        count, most = n * len(prompts), self.config.max_running + self.config.max_queue
+        if count > most:
+            what = f"n={n} completions" if len(prompts) == 1 else f"{len(prompts)} prompts x n={n} completions"
+            raise RequestError(f"{what} can never be queued together: this server runs {self.config.max_running} "
+                               f"and queues {self.config.max_queue} requests at most; ask for at most {most}",
+                               "n" if len(prompts) == 1 else "prompt")
+        groups = []
+        for index, prompt in enumerate(prompts):
+            try:
+                ids = self._checked_prompt(prompt, params)
+            except RequestError as error:
+                if len(prompts) == 1:
+                    raise
+                raise RequestError(f"prompt {index}: {error}", error.param, error.code) from None
+            offsets = text_starts(self.tokenizer, ids) if params.prompt_logprobs is not None else []
+            groups.append([self._sequence(ids, params, choice, offsets) for choice in range(n)])
+        sequences = [sequence for group in groups for sequence in group]
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down and takes no new request")
+            if len(self._waiting) + count - self._admissible(sequences) > self.config.max_queue:
+                why = "the most the queue holds" if count == 1 else \
+                    f"{count} completions would pass the {self.config.max_queue} the queue holds; none was queued"
+                raise QueueFull(f"{len(self._running)} requests are running and {len(self._waiting)} waiting "
+                                f"({why}); retry later")
+            self._waiting.extend(sequences)
+            self._lock.notify_all()
+        self.start()
+        return [[sequence.stream for sequence in group] for group in groups]
+
+    def _checked_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's ids, once it is known to fit the context and the KV budget with max_tokens."""
         ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_context:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
@@ -302,24 +355,13 @@ class Engine:
             raise RequestError(f"{total} tokens need {self.pool.bytes_for(total) / MIB:.1f} MiB of KV cache; the "
                                f"server holds {self.config.kv_memory_mb:g} MiB: ask for fewer tokens (or start it "
                                "with a larger --kv-memory)", "max_tokens")
-        sequences = [self._sequence(ids, params, choice) for choice in range(n)]
-        with self._lock:
-            if not self._accepting:
-                raise EngineStopped("the server is shutting down and takes no new request")
-            if len(self._waiting) + n - self._admissible(total, n) > self.config.max_queue:
-                why = "the most the queue holds" if n == 1 else \
-                    f"{n} completions would pass the {self.config.max_queue} the queue holds; none was queued"
-                raise QueueFull(f"{len(self._running)} requests are running and {len(self._waiting)} waiting "
-                                f"({why}); retry later")
-            self._waiting.extend(sequences)
-            self._lock.notify_all()
-        self.start()
-        return [sequence.stream for sequence in sequences]
+        return ids
 
-    def _sequence(self, ids: list[int], params: SamplingParams, choice: int) -> _Sequence:
+    def _sequence(self, ids: list[int], params: SamplingParams, choice: int, offsets: list[int]) -> _Sequence:
         """Completion `choice` of a request: its stream, seeded generator and, when it asks for more than plain
-        sampling, its RequestSampler."""
-        stream = RequestStream(f"cmpl-{uuid.uuid4().hex[:24]}", len(ids))
+        sampling, its RequestSampler; `offsets`: where each prompt token's text starts, when it asks for prompt
+        log probabilities."""
+        stream = RequestStream(f"cmpl-{uuid.uuid4().hex[:24]}", ids)
         if params.seed is not None:  # seed + choice; past 2**64 - 1 it wraps, as the generator reads 64 bits
             seed = params.seed + choice
             seed -= 2**64 if seed > SEED_RANGE[1] else 0
@@ -330,16 +372,24 @@ class Engine:
         if not params.plain:
             sequence.sampler = RequestSampler(params, self.vocab, generator)
             sequence.logprobs = None if params.logprobs is None else []
+        if params.prompt_logprobs is not None:
+            sequence.prompt_logprobs, sequence.prompt_offsets = [], offsets
         return sequence
 
-    def _admissible(self, tokens: int, n: int = 1) -> int:
-        """How many of n sequences of `tokens` positions would be admitted at once (slots and their memory free,
-        nobody ahead of them)."""
+    def _admissible(self, sequences: list[_Sequence]) -> int:
+        """How many of these sequences would be admitted at once, in order (slots and their memory free, nobody
+        ahead of them)."""
         if self._waiting:
             return 0
         slots = self.config.max_running - len(self._running)
-        room = (self.pool.budget - self.pool.used_bytes()) // self.pool.bytes_for(tokens)
-        return max(0, min(n, slots, room))
+        room = self.pool.budget - self.pool.used_bytes()
+        admitted = 0
+        for sequence in sequences[:max(0, slots)]:
+            room -= self.pool.bytes_for(len(sequence.prompt) + sequence.params.max_tokens)
+            if room < 0:
+                break
+            admitted += 1
+        return admitted
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
         """Run one request to its end (blocking)."""
@@ -347,6 +397,7 @@ class Engine:
         stream = self.submit(prompt, params)
         text, ids, times, reason = [], [], [], "stop"
         logprobs: list[TokenLogprob] | None = None
+        prompt_logprobs: list[TokenLogprob] | None = None
         for event in stream:
             text.append(event.text)
             ids.extend(event.token_ids)
@@ -355,8 +406,10 @@ class Engine:
             if event.logprobs is not None:
                 logprobs = logprobs if logprobs is not None else []
                 logprobs.extend(event.logprobs)
+            if event.prompt_logprobs is not None:
+                prompt_logprobs = list(event.prompt_logprobs)
         first = times[0] - start if times else 0.0
-        return Completion("".join(text), ids, stream.prompt_tokens, reason, first, times, logprobs)
+        return Completion("".join(text), ids, stream.prompt_tokens, reason, first, times, logprobs, prompt_logprobs)
 
     # the loop ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -424,7 +477,8 @@ class Engine:
              logprobs: tuple[TokenLogprob, ...] | None = ()) -> None:
         """Push the last event. A request that asked for log probabilities gets a tuple (maybe empty), else None."""
         sequence.stream.push(TokenEvent(text, token_ids, len(sequence.prompt), len(sequence.tokens), reason,
-                                        time.perf_counter(), None if sequence.logprobs is None else logprobs))
+                                        time.perf_counter(), None if sequence.logprobs is None else logprobs,
+                                        sequence.take_prompt_logprobs()))
 
     def _finish(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
                 logprobs: tuple[TokenLogprob, ...] | None = ()) -> None:
@@ -435,6 +489,8 @@ class Engine:
 
     def _step(self, batch: list[_Sequence]) -> None:
         ids, row_seq, positions, wanted, sampling = [], [], [], [], []
+        scored: list[tuple[_Sequence, int, int, int]] = []  # (sequence, its chunk's first row, first/last position)
+        scored_only: list[_Sequence] = []  # prompts scored with max_tokens 0: they end after their prefill
         budget = self.config.prefill_chunk
         for sequence in batch:
             if sequence.decoding:
@@ -448,20 +504,35 @@ class Engine:
                 if end - start > budget:
                     continue  # its chunk waits for the next step; chunks are never cut differently
                 budget -= end - start
+                if sequence.prompt_logprobs is not None:
+                    scored.append((sequence, len(ids), start, end))
                 ids.extend(sequence.prompt[start:end])
                 row_seq.extend([sequence.slot] * (end - start))
                 positions.extend(range(start, end))
                 sequence.prefilled = end
                 if not sequence.decoding:
                     continue
+                if sequence.params.max_tokens == 0:
+                    scored_only.append(sequence)
+                    continue
             wanted.append(len(ids) - 1)
             sampling.append(sequence)
+        # The rows that score prompt tokens come after the sampling rows: the row at position p predicts token p+1.
+        scoring = [row + p - start for sequence, row, start, end in scored
+                   for p in range(start, min(end, len(sequence.prompt) - 1))]
         rows = self.pool.rows(row_seq, positions)
-        logits = self.decoder.forward(torch.tensor(ids), rows, torch.tensor(wanted, dtype=torch.int64))
+        logits = self.decoder.forward(torch.tensor(ids), rows, torch.tensor(wanted + scoring, dtype=torch.int64))
         self._steps += 1
+        prompt_scores = self._score_prompts(scored, logits[len(wanted):])
+        logits = logits[:len(wanted)]
         greedy = greedy_tokens(logits) if any(s.params.greedy and s.sampler is None for s in sampling) else []
         now = time.perf_counter()
         with self._lock:
+            for sequence, entries in prompt_scores:
+                sequence.prompt_logprobs.extend(entries)
+            for sequence in scored_only:
+                if sequence in self._running:
+                    self._finish(sequence, "length")
             for index, sequence in enumerate(sampling):
                 if sequence not in self._running:
                     continue
@@ -473,6 +544,19 @@ class Engine:
                 else:
                     token = sample(logits[index], sequence.params, sequence.generator)
                 self._advance(sequence, token, now, logprob)
+
+    @staticmethod
+    def _score_prompts(scored: list[tuple[_Sequence, int, int, int]],
+                       logits: torch.Tensor) -> list[tuple[_Sequence, list[TokenLogprob]]]:
+        """Each scored chunk's prompt tokens' log probabilities from its rows of `logits` (in `scored`'s order)."""
+        out, first = [], 0
+        for sequence, _, start, end in scored:
+            targets = sequence.prompt[start + 1:min(end + 1, len(sequence.prompt))]
+            rows = logits[first:first + len(targets)]
+            first += len(targets)
+            offsets = sequence.prompt_offsets[start + 1:start + 1 + len(targets)]
+            out.append((sequence, prompt_token_logprobs(rows, targets, sequence.params.prompt_logprobs, offsets)))
+        return out
 
     def _advance(self, sequence: _Sequence, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
         """Under the lock: take the sequence's new token, push its text, end it when it is done."""
@@ -491,7 +575,8 @@ class Engine:
             self._finish(sequence, "length", text + detokenizer.flush(), (token,), self._released(sequence, True))
         else:  # (the common case: plain requests skip even the call)
             sequence.stream.push(TokenEvent(text, (token,), len(sequence.prompt), count, None, now,
-                                            None if sequence.logprobs is None else self._released(sequence)))
+                                            None if sequence.logprobs is None else self._released(sequence),
+                                            sequence.take_prompt_logprobs()))
 
     @staticmethod
     def _released(sequence: _Sequence, final: bool = False) -> tuple[TokenLogprob, ...] | None:

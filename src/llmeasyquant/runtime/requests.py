@@ -64,7 +64,12 @@ class SamplingParams:
     the number of times it was (both in [-2, 2], OpenAI's definition); temperature, top-k and top-p come after.
     `logprobs` (0..20, None: off) asks for each generated token's log probability and that many likeliest
     alternatives, from the log-softmax of those biased and penalised logits, before temperature, top-k and top-p.
-    Requests that ask for none of these are decoded exactly as without them, at no cost."""
+    Requests that ask for none of these are decoded exactly as without them, at no cost.
+
+    `prompt_logprobs` (0..20, None: off) asks for each prompt token's log probability given the tokens before it
+    (from the model's own log-softmax: no bias, penalty or temperature) and that many likeliest alternatives, as
+    scoring a text needs (perplexity, log-likelihood evaluations). With it, `max_tokens` may be 0: the prompt is
+    scored and nothing is generated."""
 
     max_tokens: int = 128
     temperature: float = 1.0
@@ -78,6 +83,7 @@ class SamplingParams:
     # Given as a mapping {token id: bias}; kept as a tuple of pairs so that the params stay immutable.
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -87,8 +93,10 @@ class SamplingParams:
     def check(self, vocab_size: int | None = None) -> None:
         """Raise RequestError naming the first field out of range; with `vocab_size`, logit_bias's token ids are
         checked against it too."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        scoring = self.prompt_logprobs is not None
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1 - scoring:
+            raise RequestError(f"max_tokens must be a positive integer (0 only to score the prompt, with prompt "
+                               f"log probabilities), got {self.max_tokens!r}", "max_tokens")
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
                 and 0.0 <= self.temperature <= 2.0):
             raise RequestError(f"temperature must lie in [0, 2], got {self.temperature!r}", "temperature")
@@ -106,10 +114,12 @@ class SamplingParams:
             if not _number_in(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
                 raise RequestError(f"{name} must lie in [-2, 2], got {getattr(self, name)!r}", name)
         self._check_bias(vocab_size)
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or left out), got "
-                               f"{self.logprobs!r}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or left out), got {value!r}",
+                                   name)
 
     def _check_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_BIAS_ENTRIES:
@@ -145,10 +155,11 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log probability, its likeliest alternatives and where its text starts.
+    """One token's log probability, its likeliest alternatives and where its text starts.
 
     `top` holds the `logprobs` likeliest tokens of the step (the generated one among them or not), most likely
-    first. `offset` is the character in the completion's text where the token's text begins."""
+    first. `offset` is the character in the completion's text where the token's text begins (for a prompt token:
+    in the prompt's decoded text)."""
 
     token: int
     logprob: float
@@ -163,7 +174,10 @@ class TokenEvent:
 
     `logprobs` (requests that asked for them, else None) are those of the tokens whose text this event releases:
     they are held back with the text, come once each and in order, and those of tokens a stop string cut off never
-    come. So they need not match `token_ids`, which are the tokens generated at this step."""
+    come. So they need not match `token_ids`, which are the tokens generated at this step.
+
+    `prompt_logprobs` (requests that asked for them, on their first event only, else None): one per prompt token
+    after the first (nothing comes before the first to predict it)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -172,6 +186,7 @@ class TokenEvent:
     finish_reason: str | None = None
     time_s: float = 0.0  # time.perf_counter() when the step that made it ended
     logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass
@@ -185,6 +200,7 @@ class Completion:
     time_to_first_token_s: float
     token_times_s: list[float] = field(default_factory=list)  # perf_counter() of each event
     logprobs: list[TokenLogprob] | None = None  # one per token of `text` when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, when asked for
 
     @property
     def completion_tokens(self) -> int:

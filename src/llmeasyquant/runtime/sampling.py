@@ -47,6 +47,22 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int,
+                          offsets: list[int]) -> list[TokenLogprob]:
+    """Each row's log probability of its target token under log_softmax(logits [rows, vocab]) and the row's `top`
+    likeliest tokens, in one pass over the rows (a prompt chunk's positions); `offsets` where each target's text
+    starts."""
+    logprobs = logits.log_softmax(-1)
+    chosen = logprobs.gather(-1, torch.tensor(targets).unsqueeze(-1)).squeeze(-1).tolist()
+    alternatives: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+    if top:
+        values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+        alternatives = [tuple(zip(row_ids, row_values, strict=True))
+                        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [TokenLogprob(token, value, alt, offset)
+            for token, value, alt, offset in zip(targets, chosen, alternatives, offsets, strict=True)]
+
+
 class RequestSampler:
     """One request's logit_bias and penalties, and its choice of token with its log probability.
 

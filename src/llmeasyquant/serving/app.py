@@ -5,9 +5,12 @@ body (serving/errors.py) and never touches the decode loop. A stream is read on 
 its events there; no thread per request); when its client goes away the request is cancelled, and the engine gives
 its sequence and KV blocks back at its next step.
 
-A request for n choices is n engine sequences of one prompt (Engine.submit_many: all queued, or a 429 and none).
-Their events are read together, in the order they come: a stream interleaves chunks of every choice, each tagged
-with its index. When the client goes away, or one choice fails, every choice still running is cancelled.
+A request for n choices is n engine sequences of one prompt (Engine.submit_many: all queued, or a 429 and none);
+a completions request of several prompts is n sequences of each (Engine.submit_prompts), choice p * n + j being
+prompt p's j-th. Their events are read together, in the order they come: a stream interleaves chunks of every
+choice, each tagged with its index. When the client goes away, or one choice fails, every choice still running is
+cancelled. With `echo`, each choice's first chunk (or its whole text) starts with its prompt's text, and its log
+probabilities with the prompt's, as the engine scored them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -121,9 +124,16 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
         req = await _parse(request, protocol.CompletionRequest, engine.vocab)
         _check_model(state, req.model)
         params = req.sampling(req.max_tokens, protocol.COMPLETION_DEFAULT_MAX_TOKENS)
-        streams = engine.submit_many(req.prompt, params, req.choices)
-        fmt = _Format("text_completion", streams[0].id, state.model_name, engine.token_pieces)
-        return await _answer(request, state, streams, arrival, fmt, req)
+        groups = engine.submit_prompts(req.prompts, params, req.choices)
+        streams = [stream for group in groups for stream in group]
+        echo = None
+        if req.echo:  # the prompt as sent; token ids as they decode
+            texts = [p if isinstance(p, str) else engine.decode(p) for p in req.prompts]
+            echo = [_Echo(text, group[0].prompt_ids[0]) for text, group in zip(texts, groups, strict=True)
+                    for _ in group]
+        fmt = _Format("text_completion", streams[0].id, state.model_name, engine.token_pieces, echo)
+        prompt_tokens = sum(group[0].prompt_tokens for group in groups)
+        return await _answer(request, state, streams, arrival, fmt, req, prompt_tokens)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     @_guarded
@@ -137,7 +147,7 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
         streams = engine.submit_many(ids, params, req.choices)
         chat_id = "chatcmpl-" + streams[0].id.removeprefix("cmpl-")
         fmt = _Format("chat.completion", chat_id, state.model_name, engine.token_pieces)
-        return await _answer(request, state, streams, arrival, fmt, req)
+        return await _answer(request, state, streams, arrival, fmt, req, streams[0].prompt_tokens)
 
     return app
 
@@ -246,6 +256,14 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 
 @dataclass(frozen=True)
+class _Echo:
+    """An echoed prompt: its text and its first token (the one no log probability is given for)."""
+
+    text: str
+    first_token: int
+
+
+@dataclass(frozen=True)
 class _Format:
     """The OpenAI bodies of one request: a text completion or a chat completion."""
 
@@ -253,24 +271,41 @@ class _Format:
     id: str
     model: str
     pieces: TokenPieces  # names the tokens of log probabilities
+    echo: list[_Echo] | None = None  # per choice, when the request asked for echo
     created: int = field(default_factory=protocol.now)
 
     @property
     def chat(self) -> bool:
         return self.object == "chat.completion"
 
-    def logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...] | None) -> dict[str, Any] | None:
+    def logprobs(self, entries: Sequence[TokenLogprob] | None, index: int = 0,
+                 prompt: Sequence[TokenLogprob] | None = None) -> dict[str, Any] | None:
+        """The log probabilities of some of choice `index`'s tokens; with `prompt` (its first chunk, echoed), the
+        prompt's first."""
         if entries is None:
             return None
-        make = protocol.chat_logprobs if self.chat else protocol.completion_logprobs
-        return make(entries, self.pieces)
+        if self.chat:
+            return protocol.chat_logprobs(entries, self.pieces)
+        if self.echo is None:
+            return protocol.completion_logprobs(entries, self.pieces)
+        echo = self.echo[index]
+        completion = protocol.completion_logprobs(entries, self.pieces, len(echo.text))
+        if prompt is None:
+            return completion
+        return protocol.joined_logprobs([protocol.completion_logprobs(prompt, self.pieces, 0, echo.first_token),
+                                         completion])
+
+    def text(self, text: str, index: int, first: bool) -> str:
+        """Choice `index`'s text of a chunk (or the whole), its prompt before it when echoed and `first`."""
+        return self.echo[index].text + text if self.echo is not None and first else text
 
     def body(self, choices: list[_Choice], usage: dict[str, int]) -> dict[str, Any]:
         if self.chat:
             made = [protocol.chat_choice(i, c.text, c.finish_reason, self.logprobs(c.logprobs))
                     for i, c in enumerate(choices)]
             return protocol.chat_body(self.id, self.created, self.model, made, usage)
-        made = [protocol.completion_choice(i, c.text, c.finish_reason, self.logprobs(c.logprobs))
+        made = [protocol.completion_choice(i, self.text(c.text, i, True), c.finish_reason,
+                                           self.logprobs(c.logprobs, i, c.prompt_logprobs))
                 for i, c in enumerate(choices)]
         return protocol.completion_body(self.id, self.created, self.model, made, usage)
 
@@ -280,12 +315,19 @@ class _Format:
                                     None, index)] if self.chat else []
 
     def delta(self, text: str, finish_reason: str | None = None, index: int = 0,
-              logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             return protocol.chat_chunk(self.id, self.created, self.model, {"content": text} if text else {},
-                                       finish_reason, index, self.logprobs(logprobs))
-        return protocol.completion_chunk(self.id, self.created, self.model, text, finish_reason, index,
-                                         self.logprobs(logprobs))
+                                       finish_reason, index, logprobs)
+        return protocol.completion_chunk(self.id, self.created, self.model, text, finish_reason, index, logprobs)
+
+    def event_delta(self, event: TokenEvent, index: int, first: bool) -> dict[str, Any] | None:
+        """The chunk of one engine event of choice `index` (`first`: its first), or None when it carries nothing."""
+        text = self.text(event.text, index, first)
+        prompt = event.prompt_logprobs if first else None
+        if not (text or event.logprobs or (prompt and event.logprobs is not None)):
+            return None
+        return self.delta(text, None, index, self.logprobs(event.logprobs, index, prompt))
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -299,12 +341,15 @@ class _Choice:
     text: str = ""
     finish_reason: str = "stop"
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     def add(self, event: TokenEvent) -> None:
         self.text += event.text
         if event.logprobs is not None:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs.extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.finish_reason = event.finish_reason or self.finish_reason
 
 
@@ -314,12 +359,13 @@ def _decode_failed() -> ApiError:
 
 
 async def _answer(request: Request, state: ServerState, streams: list[RequestStream], arrival: float,
-                  fmt: _Format, req: protocol.CompletionRequest | protocol.ChatRequest) -> Response:
-    prompt_tokens = streams[0].prompt_tokens  # the choices share the prompt: usage counts it once, as OpenAI's
+                  fmt: _Format, req: protocol.CompletionRequest | protocol.ChatRequest,
+                  prompt_tokens: int) -> Response:
+    """`prompt_tokens`: each prompt's counted once, however many choices it has (as OpenAI's usage)."""
     state.metrics.prompt_tokens.inc(prompt_tokens)
     tracker = RequestTracker(state.metrics, arrival, len(streams))
     if req.streaming:
-        events = _sse_events(streams, tracker, fmt, req.include_usage)
+        events = _sse_events(streams, tracker, fmt, req.include_usage, prompt_tokens)
         # The background task also runs when the client left before the first event (the generator never
         # started, so its own cleanup never ran).
         return EventSourceResponse(events, sep="\n", ping=SSE_PING_S,
@@ -412,7 +458,7 @@ def _data(chunk: dict[str, Any]) -> dict[str, str]:
 
 
 async def _sse_events(streams: list[RequestStream], tracker: RequestTracker, fmt: _Format,
-                      include_usage: bool) -> AsyncIterator[dict[str, str]]:
+                      include_usage: bool, prompt_tokens: int) -> AsyncIterator[dict[str, str]]:
     """The server-sent events of a request: chunks as the engine decodes, each tagged with its choice's index, the
     finish reason on each choice's last one, the usage after them when asked for, then [DONE]. Cancelled (client
     gone), closed early or a choice failed: the choices still running are cancelled."""
@@ -420,19 +466,22 @@ async def _sse_events(streams: list[RequestStream], tracker: RequestTracker, fmt
         for index in range(len(streams)):
             for chunk in fmt.opening(index):
                 yield _data(chunk)
+        started = [False] * len(streams)
         async with contextlib.aclosing(_merged(streams)) as events:
             async for index, event in events:
                 tracker.see(event, index)
                 if event.finish_reason == "error":
                     yield _data(_decode_failed().body())
                     break
-                if event.text or event.logprobs:
-                    yield _data(fmt.delta(event.text, None, index, event.logprobs))
+                chunk = fmt.event_delta(event, index, not started[index])
+                started[index] = True
+                if chunk is not None:
+                    yield _data(chunk)
                 if event.finish_reason is not None:
                     yield _data(fmt.delta("", event.finish_reason, index))
             else:
                 if include_usage:
-                    yield _data(fmt.usage(protocol.usage(streams[0].prompt_tokens, tracker.completion_tokens)))
+                    yield _data(fmt.usage(protocol.usage(prompt_tokens, tracker.completion_tokens)))
         yield {"data": "[DONE]"}
     except Exception:  # the status line is sent: the client learns of the failure from an error event
         log.exception("%s: the stream failed", streams[0].id)

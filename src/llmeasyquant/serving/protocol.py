@@ -9,8 +9,14 @@ Supported beyond plain sampling, as OpenAI defines them: `presence_penalty` and 
 (completions: `logprobs` 0..20; chat: `logprobs` true with `top_logprobs` 0..20) and `n` (1..16 choices). The
 ranges are the engine's (runtime/requests.py), which names the field of a value out of range. Log probabilities
 are those of the model's log-softmax after logit_bias and the penalties, before temperature, top-k and top-p; a
-value below -9999 (an impossible token) is sent as -9999, since JSON has no -Infinity. Still refused: `best_of`
-above 1, `echo`, `suffix`, tools and function calls, `response_format` other than text, non-text content parts.
+value below -9999 (an impossible token) is sent as -9999, since JSON has no -Infinity.
+
+/v1/completions takes a list of prompts (strings or token id lists; each gets n choices, choice p * n + j is
+prompt p's j-th) and `echo` (each choice's text starts with its prompt; with `logprobs`, the prompt's tokens come
+first in them, scored by the model itself, the first with null value and alternatives). `max_tokens` 0 with echo
+scores the prompt and generates nothing: what log-likelihood evaluations (lm-evaluation-harness's
+`local-completions`) send. Still refused: `best_of` above 1, `suffix`, tools and function calls,
+`response_format` other than text, non-text content parts.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -26,6 +32,7 @@ from llmeasyquant.runtime.requests import (
     MAX_BIAS_ENTRIES,
     MAX_CHOICES,
     MAX_LOGPROBS,
+    RequestError,
     SamplingParams,
     TokenLogprob,
 )
@@ -120,8 +127,16 @@ class _GenerationRequest(_Strict):
         """Alternatives per token to send with log probabilities; None: no log probabilities."""
         return None
 
+    def prompt_logprob_count(self) -> int | None:
+        """Alternatives per prompt token the engine scores; None: the prompt is not scored."""
+        return None
+
+    ZERO_MAX_TOKENS: ClassVar[str] = "max_tokens 0 generates nothing: ask for at least 1 token"
+
     def sampling(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; `check()` is the engine's range check (it names the field)."""
+        if max_tokens == 0 and self.prompt_logprob_count() is None:
+            raise RequestError(self.ZERO_MAX_TOKENS, "max_tokens")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         params = SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
@@ -130,30 +145,33 @@ class _GenerationRequest(_Strict):
             top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
-            logprobs=self.logprob_count())
+            logprobs=self.logprob_count(), prompt_logprobs=self.prompt_logprob_count())
         params.check()
         return params
 
 
-def one_prompt(prompt: Any) -> str | list[int]:
-    """A string or a list of token ids; a list holding one of those is that one; several prompts are refused."""
+def prompt_list(prompt: Any) -> list[str | list[int]]:
+    """The prompts of /v1/completions' `prompt`: a string, a list of token ids, or a non-empty list of either."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if not isinstance(prompt, list):
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not prompt:
         raise ValueError("prompt is an empty list: send a string or a non-empty list of token ids")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if all(_is_token(t) for t in prompt):
+        return [prompt]
+    if all(isinstance(p, str) or (isinstance(p, list) and all(_is_token(t) for t in p)) for p in prompt):
         return prompt
-    if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise unsupported("a list of several prompts", f"got {len(prompt)}; send one request per prompt")
-    if len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return one_prompt(prompt[0])
-    raise ValueError("prompt must be a string or a list of integer token ids")
+    raise ValueError("prompt must be a string, a list of integer token ids, or a list of prompts (strings or lists "
+                     "of token ids)")
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions. `prompt` is one string or one list of token ids."""
+    """POST /v1/completions. `prompt` is a string, a list of token ids or a list of those (`prompts`)."""
 
     prompt: Any
     echo: bool | None = None
@@ -163,15 +181,21 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        return one_prompt(prompt)
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
+        return prompt_list(prompt)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool | None) -> bool | None:
-        if echo:
-            raise unsupported("echo", "the response holds the completion only; leave echo out or false")
-        return echo
+    ZERO_MAX_TOKENS: ClassVar[str] = ("max_tokens 0 generates nothing: it is allowed only with echo true (the prompt "
+                                      "scored, its log probabilities with logprobs); ask for at least 1 token")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return self.prompt
+
+    def prompt_logprob_count(self) -> int | None:
+        # Echoed with log probabilities, the prompt's tokens have theirs; max_tokens 0 scores it in any case.
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            return self.logprobs or 0
+        return None
 
     @field_validator("logprobs")
     @classmethod
@@ -343,20 +367,28 @@ def _logprob(value: float) -> float:
     return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], pieces: TokenPieces) -> dict[str, Any]:
+def completion_logprobs(entries: Sequence[TokenLogprob], pieces: TokenPieces, shift: int = 0,
+                        first: int | None = None) -> dict[str, Any]:
     """/v1/completions' `logprobs` of some tokens: their strings, log probabilities, where their text starts in
-    the completion, and per token a map of the likeliest tokens to their log probabilities, the generated token
-    always among them (so up to logprobs + 1 entries, as OpenAI's)."""
+    the completion (`shift` characters on: an echoed prompt before it), and per token a map of the likeliest tokens
+    to their log probabilities, the generated token always among them (so up to logprobs + 1 entries, as
+    OpenAI's). `first`: an echoed prompt's first token, which comes first with null log probability and map."""
     top = []
     for entry in entries:
         likeliest: dict[str, float] = {}
         for token, value in (*entry.top, (entry.token, entry.logprob)):
             likeliest.setdefault(pieces.text(token), _logprob(value))  # two tokens of one string: the likelier
         top.append(likeliest)
-    return {"tokens": [pieces.text(e.token) for e in entries],
-            "token_logprobs": [_logprob(e.logprob) for e in entries],
-            "top_logprobs": top,
-            "text_offset": [e.offset for e in entries]}
+    head = [] if first is None else [None]
+    return {"tokens": ([] if first is None else [pieces.text(first)]) + [pieces.text(e.token) for e in entries],
+            "token_logprobs": head + [_logprob(e.logprob) for e in entries],
+            "top_logprobs": head + top,
+            "text_offset": ([] if first is None else [0]) + [shift + e.offset for e in entries]}
+
+
+def joined_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Completion log probabilities of consecutive tokens (an echoed prompt's, then the completion's) as one."""
+    return {key: [value for part in parts for value in part[key]] for key in parts[0]}
 
 
 def _chat_token(pieces: TokenPieces, token: int, value: float) -> dict[str, Any]:
