@@ -333,6 +333,15 @@ def test_several_prompts_answer_n_choices_each_in_order(client: TestClient, engi
             expected.text
 
 
+def test_five_stop_strings_as_lm_evaluation_harness_sends_them(client: TestClient, engine: Engine) -> None:
+    # A task's four `until` strings and the end-of-sequence text it adds: more than OpenAI's 4, as vLLM takes.
+    free = greedy(engine, PROMPT, 12)
+    stop = free.text[4:7]
+    body = completion(max_tokens=12, ignore_eos=True, stop=["\n\n", "Question:", "</s>", "<|im_end|>", stop])
+    answer = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert answer["finish_reason"] == "stop" and answer["text"] == free.text[:free.text.index(stop)]
+
+
 def test_echo_starts_each_choice_with_its_prompt(client: TestClient, engine: Engine) -> None:
     body = client.post("/v1/completions", json=completion(echo=True, max_tokens=6, ignore_eos=True)).json()
     alone = greedy(engine, PROMPT, 6)
@@ -499,7 +508,7 @@ BAD = [  # (endpoint, body, status, param, code or None to skip, words the messa
      "at most 300"),
     ("completions", completion(logit_bias={f"{'0' * (i // 250)}{i % 250}": 1 for i in range(301)}), 400,
      "logit_bias", "invalid_value", "at most 300"),  # 301 keys as sent, 250 token ids
-    ("completions", completion(stop=["a", "b", "c", "d", "e"]), 400, "stop", None, "4"),
+    ("completions", completion(stop=[f"s{i}" for i in range(17)]), 400, "stop", None, "up to 16"),
     ("completions", completion(stream_options={"include_usage": True}), 400, "stream_options", None, "stream"),
     ("completions", completion(repetition_penalty=1.2), 400, "repetition_penalty", "extra_forbidden",
      "unrecognized"),

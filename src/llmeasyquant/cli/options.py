@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.runtime.requests import MAX_STOPS
 from llmeasyquant.scheme import GRIDS, ActMode
 
 if TYPE_CHECKING:
@@ -250,7 +251,7 @@ def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
     p.add_argument("--seed", type=int, help="seed of the sampling, for the same text again (default 0)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end the reply where this text appears (not shown); repeatable, up to 4")
+                   help=f"end the reply where this text appears (not shown); repeatable, up to {MAX_STOPS}")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
                    help="subtract P from the logit of every token the reply holds already, in [-2, 2] (default 0)")

@@ -18,6 +18,10 @@ MAX_BIAS = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's
 MAX_BIAS_ENTRIES = 300  # logit_bias entries per request: a per-token list the size of a vocabulary is no "bias"
 MAX_LOGPROBS = 20  # alternatives per token with their log probabilities (OpenAI's chat limit, vLLM's default)
 MAX_CHOICES = 16  # completions per request (n); each is a sequence of its own in the engine
+# Stop strings per request. OpenAI takes 4; evaluation harnesses send more (lm-evaluation-harness adds the
+# end-of-sequence text to a task's own list), vLLM and llama-server take any number. Each costs a search of the
+# held-back text per token.
+MAX_STOPS = 16
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -108,8 +112,10 @@ class SamplingParams:
             raise RequestError(f"seed must be an integer, got {self.seed!r}", "seed")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise RequestError(f"seed must lie in [-2**63, 2**64 - 1], got {self.seed}", "seed")
-        if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError("stop takes up to 4 non-empty strings", "stop")
+        if len(self.stop) > MAX_STOPS:
+            raise RequestError(f"stop takes up to {MAX_STOPS} strings, got {len(self.stop)}", "stop")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError("stop takes non-empty strings only", "stop")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _number_in(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
                 raise RequestError(f"{name} must lie in [-2, 2], got {getattr(self, name)!r}", name)
