@@ -11,8 +11,9 @@ completions, acc and acc_norm), `wiki_local` (12 paragraphs of WikiText-2 raw te
 rolling log-likelihood: word and byte perplexity) and `qa_local` (4 questions, greedy generation until a newline,
 exact match); zero-shot, batch size 8, offline. The reference row is lm_eval's `hf` model on the bundled
 SmolLM2-135M-Instruct saved as a Hugging Face folder (float32, CPU); each served row starts `llmeasyquant --threads
-2 serve MODEL` on a free loopback port (KV cache `--kv`), runs lm_eval's `local-completions` against it with the same
-tokenizer (token-id requests: `echo`, `logprobs` 1, `max_tokens` 1 for log-likelihoods), and stops the server.
+2 serve MODEL` on a free loopback port (KV cache `--kv`), runs lm_eval's `local-completions` against it with the
+server's own tokenizer (lm_eval finds /tokenizer_info and /tokenize and uses them; token-id requests: `echo`,
+`logprobs` 1, `max_tokens` 1 for log-likelihoods), and stops the server.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def write_tasks(folder: Path) -> None:
 
 
 def hf_folder(folder: Path) -> Path:
-    """The bundled model as a Hugging Face folder (float32) that lm_eval's `hf` model and tokenizer load."""
+    """The bundled model as a Hugging Face folder (float32) that lm_eval's `hf` model loads."""
     if not (folder / "config.json").exists():
         model, tokenizer = load_model("smollm2-135m")
         model.save_pretrained(folder)
@@ -95,15 +96,14 @@ def run_lm_eval(lm_eval: str, model_args: list[str], tasks: Path, out: Path) -> 
                for metric in names}}
 
 
-def served_row(lm_eval: str, model: str, kv: str, tokenizer: Path, tasks: Path, out: Path) -> dict:
+def served_row(lm_eval: str, model: str, kv: str, tasks: Path, out: Path) -> dict:
     port = free_port()
     cache = ["--kv-dtype", kv] if kv.startswith("float") else ["--kv-bits", kv]
     server = Server([*CLI, "serve", model, "--port", str(port), "--served-model-name", "served", *cache], port)
     try:
-        args = ("model=served,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer},"
-                "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
-        return run_lm_eval(lm_eval, ["--model", "local-completions", "--model_args",
-                                     args.format(port=port, tokenizer=tokenizer)], tasks, out)
+        args = (f"model=served,base_url=http://127.0.0.1:{port}/v1/completions,tokenized_requests=True,"
+                "num_concurrent=1,max_retries=1")
+        return run_lm_eval(lm_eval, ["--model", "local-completions", "--model_args", args], tasks, out)
     finally:
         server.stop()
 
@@ -124,7 +124,7 @@ def main() -> int:
              **run_lm_eval(args.lm_eval, ["--model", "hf", "--model_args", f"pretrained={folder},dtype=float32",
                                           "--device", "cpu"], tasks, work / "hf")}]
     for index, model in enumerate(args.serve.split(",")):
-        scores = served_row(args.lm_eval, model, args.kv, folder, tasks, work / f"served{index}")
+        scores = served_row(args.lm_eval, model, args.kv, tasks, work / f"served{index}")
         rows.append({"model": f"lm_eval local-completions on llmeasyquant serve {model} (KV {args.kv})", **scores})
     for row in rows:
         row["qa_same"] = "yes" if row["qa_answers"] == rows[0]["qa_answers"] else "no"

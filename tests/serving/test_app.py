@@ -342,6 +342,25 @@ def test_five_stop_strings_as_lm_evaluation_harness_sends_them(client: TestClien
     assert answer["finish_reason"] == "stop" and answer["text"] == free.text[:free.text.index(stop)]
 
 
+def test_the_tokenizer_endpoints_are_the_engines_tokenizer(client: TestClient, engine: Engine) -> None:
+    tokens = client.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens == {"tokens": engine.tokenizer(PROMPT)["input_ids"], "count": len(tokens["tokens"]),
+                      "max_model_len": CONTEXT}
+    bare = client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False, "model": NAME}).json()
+    assert bare["tokens"] == engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"] != tokens["tokens"]
+    assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == engine.tokenizer.eos_token and info["model_max_length"] == CONTEXT
+    assert info["chat_template"] == engine.tokenizer.chat_template
+    # A token-id prompt made by /tokenize is the string prompt.
+    assert client.post("/v1/completions", json=completion(tokens["tokens"])).json()["choices"] == \
+        client.post("/v1/completions", json=completion()).json()["choices"]
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [5, 10**6]}, "tokens"),
+                              ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model")):
+        error = client.post(path, json=body)
+        assert error.status_code in (400, 404) and error.json()["error"]["param"] == param
+
+
 def test_echo_starts_each_choice_with_its_prompt(client: TestClient, engine: Engine) -> None:
     body = client.post("/v1/completions", json=completion(echo=True, max_tokens=6, ignore_eos=True)).json()
     alone = greedy(engine, PROMPT, 6)
@@ -664,7 +683,8 @@ def test_api_key_guards_every_endpoint_but_health(folder: Path) -> None:
     engine = make_engine(folder)
     with TestClient(build_app(engine, NAME, api_key=KEY)) as client:
         for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
-                             ("POST", "/v1/chat/completions")]:
+                             ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                             ("GET", "/tokenizer_info")]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 response = client.request(method, path, headers=headers, json=completion())
                 assert response.status_code == 401, (path, headers)
@@ -676,7 +696,7 @@ def test_api_key_guards_every_endpoint_but_health(folder: Path) -> None:
         assert client.get("/v1/models", headers=good).status_code == 200
         assert client.post("/v1/completions", headers=good, json=completion()).status_code == 200
         samples = metric_samples(client.get("/metrics", headers=good).text)
-        assert requests_by(samples, "error_4xx") == 9  # /metrics is not counted
+        assert requests_by(samples, "error_4xx") == 18  # /metrics is not counted
     assert not engine.stats().accepting  # the lifespan shut it down
 
 

@@ -249,7 +249,7 @@ class Engine:
     # requests ----------------------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            ids = self.tokenize(prompt)
         elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab]
@@ -277,6 +277,11 @@ class Engine:
         plain = [{"role": m["role"], "content": m["content"]} for m in messages]
         ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of a text, as a string prompt is tokenized (with the tokenizer's special tokens, such as
+        BOS, unless `add_special_tokens` is False)."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
         """The text of token ids, special tokens left out (as completions are decoded)."""

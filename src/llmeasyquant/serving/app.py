@@ -1,4 +1,4 @@
-"""The FastAPI app: the OpenAI endpoints over one Engine, /health and /metrics.
+"""The FastAPI app: the OpenAI endpoints over one Engine, vLLM's tokenizer endpoints, /health and /metrics.
 
 Every request is parsed and checked before it reaches the engine, so a bad one is answered with an OpenAI error
 body (serving/errors.py) and never touches the decode loop. A stream is read on the event loop (the engine pushes
@@ -116,6 +116,34 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
         _check_model(state, model)
         state.metrics.count("ok")
         return JSONResponse(protocol.model_card(state.model_name, state.created))
+
+    # The tokenizer, as vLLM serves it: clients that send token ids (evaluation harnesses) need no copy of their own.
+    @app.post("/tokenize", dependencies=auth)
+    @_guarded
+    async def tokenize(request: Request) -> JSONResponse:
+        req = await _parse(request, protocol.TokenizeRequest, engine.vocab)
+        _check_model(state, req.model or state.model_name)
+        tokens = engine.tokenize(req.prompt, req.add_special_tokens)
+        state.metrics.count("ok")
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context})
+
+    @app.post("/detokenize", dependencies=auth)
+    @_guarded
+    async def detokenize(request: Request) -> JSONResponse:
+        req = await _parse(request, protocol.DetokenizeRequest, engine.vocab)
+        _check_model(state, req.model or state.model_name)
+        state.metrics.count("ok")
+        return JSONResponse({"prompt": engine.decode(req.tokens)})
+
+    @app.get("/tokenizer_info", dependencies=auth)
+    @_guarded
+    async def tokenizer_info() -> JSONResponse:
+        tokenizer = engine.tokenizer
+        state.metrics.count("ok")
+        return JSONResponse({"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                             "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                             "chat_template": getattr(tokenizer, "chat_template", None),
+                             "model_max_length": engine.max_context})
 
     @app.post("/v1/completions", dependencies=auth)
     @_guarded
@@ -235,7 +263,8 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 404:
             message = (f"no endpoint {request.method} {request.url.path}: the API has POST /v1/completions, "
-                       "POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics")
+                       "POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
+                       "GET /tokenizer_info, GET /health and GET /metrics")
             error = ApiError(404, message, code="not_found")
         elif exc.status_code == 405:
             error = ApiError(405, f"{request.method} is not allowed on {request.url.path}",

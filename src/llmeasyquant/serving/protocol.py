@@ -315,6 +315,30 @@ class ChatRequest(_GenerationRequest):
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a text's token ids, as the server tokenizes a string prompt."""
+
+    prompt: str
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): the text of token ids, special tokens left out."""
+
+    tokens: list[int]
+    model: str | None = None
+
+    @field_validator("tokens")
+    @classmethod
+    def _in_vocabulary(cls, tokens: list[int], info: ValidationInfo) -> list[int]:
+        vocab = (info.context or {}).get(VOCAB_SIZE)
+        bad = [t for t in tokens if vocab and not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return tokens
+
+
 # Response bodies --------------------------------------------------------------------------------------------------
 
 
