@@ -79,6 +79,15 @@ def test_completion_is_the_engines_greedy_text_with_usage(client: TestClient, en
                      "total_tokens": alone.prompt_tokens + alone.completion_tokens}
 
 
+def test_a_request_without_model_is_for_the_served_one(client: TestClient) -> None:
+    named = client.post("/v1/completions", json=completion()).json()
+    unnamed = client.post("/v1/completions", json={k: v for k, v in completion().items() if k != "model"}).json()
+    assert unnamed["model"] == NAME and unnamed["choices"] == named["choices"]
+    chat_body = {k: v for k, v in chat().items() if k != "model"}
+    assert client.post("/v1/chat/completions", json=chat_body).json()["choices"] == \
+        client.post("/v1/chat/completions", json=chat()).json()["choices"]
+
+
 def test_a_prompt_of_token_ids_and_a_list_holding_one_prompt(client: TestClient, engine: Engine) -> None:
     ids = engine.tokenizer(PROMPT)["input_ids"]
     by_ids = client.post("/v1/completions", json=completion(ids)).json()
@@ -498,7 +507,6 @@ BAD = [  # (endpoint, body, status, param, code or None to skip, words the messa
     ("completions", completion(max_tokens="8"), 400, "max_tokens", "int_type", "integer"),
     ("completions", completion(temperature="hot"), 400, "temperature", "float_type", "number"),
     ("completions", completion(stream="yes"), 400, "stream", "bool_type", "boolean"),
-    ("completions", {"prompt": PROMPT}, 400, "model", "missing", "model"),
     ("completions", {"model": NAME}, 400, "prompt", "missing", "prompt"),
     ("completions", completion(model="gpt-4"), 404, "model", "model_not_found", "gpt-4"),
     ("completions", completion(["one", TOO_LONG]), 400, "prompt", "context_length_exceeded", "prompt 1: the prompt"),

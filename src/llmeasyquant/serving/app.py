@@ -122,7 +122,7 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
     @_guarded
     async def tokenize(request: Request) -> JSONResponse:
         req = await _parse(request, protocol.TokenizeRequest, engine.vocab)
-        _check_model(state, req.model or state.model_name)
+        _check_model(state, req.model)
         tokens = engine.tokenize(req.prompt, req.add_special_tokens)
         state.metrics.count("ok")
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context})
@@ -131,7 +131,7 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
     @_guarded
     async def detokenize(request: Request) -> JSONResponse:
         req = await _parse(request, protocol.DetokenizeRequest, engine.vocab)
-        _check_model(state, req.model or state.model_name)
+        _check_model(state, req.model)
         state.metrics.count("ok")
         return JSONResponse({"prompt": engine.decode(req.tokens)})
 
@@ -230,8 +230,9 @@ def _too_large() -> ApiError:
                     "that long; shorten it", code="request_too_large")
 
 
-def _check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name:
+def _check_model(state: ServerState, name: str | None) -> None:
+    """A request that names a model must name the served one (one that names none is for it)."""
+    if name is not None and name != state.model_name:
         raise ApiError(404, f"the model '{name}' does not exist: this server serves '{state.model_name}' (see "
                        "GET /v1/models)", param="model", code="model_not_found")
 

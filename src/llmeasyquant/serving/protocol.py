@@ -61,7 +61,9 @@ class StreamOptions(_Strict):
 class _GenerationRequest(_Strict):
     """The fields both endpoints share. `None` means OpenAI's default, as clients send nulls for unset fields."""
 
-    model: str
+    # Optional, as vLLM, TGI and llama-server take it for their one model (OpenAI's API requires it): left out, the
+    # served model; named, it must be that one.
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
