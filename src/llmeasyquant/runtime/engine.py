@@ -58,7 +58,7 @@ from llmeasyquant.runtime.requests import (
     TokenEvent,
     TokenLogprob,
 )
-from llmeasyquant.runtime.sampling import RequestSampler, greedy_tokens, prompt_token_logprobs, sample
+from llmeasyquant.runtime.sampling import RequestSampler, greedy_tokens, sample, token_logprobs
 from llmeasyquant.runtime.token_pieces import TokenPieces
 
 log = logging.getLogger(__name__)
@@ -560,7 +560,7 @@ class Engine:
             rows = logits[first:first + len(targets)]
             first += len(targets)
             offsets = sequence.prompt_offsets[start + 1:start + 1 + len(targets)]
-            out.append((sequence, prompt_token_logprobs(rows, targets, sequence.params.prompt_logprobs, offsets)))
+            out.append((sequence, token_logprobs(rows, targets, sequence.params.prompt_logprobs, offsets)))
         return out
 
     def _advance(self, sequence: _Sequence, token: int, now: float, logprob: TokenLogprob | None = None) -> None:

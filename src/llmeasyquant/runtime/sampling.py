@@ -39,19 +39,13 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The log probability of `token` under log_softmax(logits [vocab]) and the `top` likeliest tokens, most likely
     first (offset 0: the engine sets where the token's text starts)."""
-    logprobs = logits.log_softmax(-1)
-    alternatives: tuple[tuple[int, float], ...] = ()
-    if top:
-        values, ids = logprobs.topk(min(top, logprobs.shape[-1]))  # sorted, largest first
-        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token, float(logprobs[token]), alternatives)
+    return token_logprobs(logits.unsqueeze(0), [token], top, [0])[0]
 
 
-def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int,
-                          offsets: list[int]) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, targets: list[int], top: int, offsets: list[int]) -> list[TokenLogprob]:
     """Each row's log probability of its target token under log_softmax(logits [rows, vocab]) and the row's `top`
-    likeliest tokens, in one pass over the rows (a prompt chunk's positions); `offsets` where each target's text
-    starts."""
+    likeliest tokens (most likely first), in one pass over the rows (a prompt chunk's positions, or one generated
+    token's); `offsets` where each target's text starts."""
     logprobs = logits.log_softmax(-1)
     chosen = logprobs.gather(-1, torch.tensor(targets).unsqueeze(-1)).squeeze(-1).tolist()
     alternatives: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
