@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
-
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.kernels import choice
 from llmeasyquant.kernels.cpu import (
@@ -23,6 +21,7 @@ from llmeasyquant.kernels.cpu import (
     NativeInt8Int8Kernel,
     NativeInt8WeightOnlyKernel,
 )
+from llmeasyquant.kernels.kernel import Kernel
 from llmeasyquant.kernels.layer import KernelLayer
 from llmeasyquant.kernels.reference import ReferenceKernel
 from llmeasyquant.kernels.triton.layers import TritonW4A16Kernel, TritonW8A8Kernel
@@ -30,7 +29,7 @@ from llmeasyquant.kernels.triton.layers import TritonW4A16Kernel, TritonW8A8Kern
 log = logging.getLogger(__name__)
 
 REFERENCE = ReferenceKernel()
-KERNELS_BY_DEVICE: dict[str, list[Any]] = {
+KERNELS_BY_DEVICE: dict[str, list[Kernel]] = {
     # The fused-operator weight-only kernels first: fp32 results; they are offered only where kernels/native.py builds.
     # torch._int_mm's W8A8 before the native one: `first` mode keeps the kernel that every row count runs fast; the
     # W4A16 fixed-point kernel after the fp32-activation one, so that `first` mode keeps 16 bits of every value.
@@ -39,10 +38,10 @@ KERNELS_BY_DEVICE: dict[str, list[Any]] = {
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }
-ALL_KERNELS = {k.name: k for kernels in KERNELS_BY_DEVICE.values() for k in kernels} | {REFERENCE.name: REFERENCE}
+ALL_KERNELS: dict[str, Kernel] = {k.name: k for kernels in KERNELS_BY_DEVICE.values() for k in kernels} | {REFERENCE.name: REFERENCE}
 
 
-def candidates(layer: KernelLayer) -> list[Any]:
+def candidates(layer: KernelLayer) -> list[Kernel]:
     """Kernels that can run `layer` where its buffers live, in the registry's order; on the CPU a weight-only layer
     also has the reference kernel (a dequantize-then-GEMM for it), which wins at many rows (kernels/choice.py)."""
     device = layer.qweight.device.type
@@ -52,7 +51,7 @@ def candidates(layer: KernelLayer) -> list[Any]:
     return found
 
 
-def select(layer: KernelLayer, rows: int = 1) -> Any:
+def select(layer: KernelLayer, rows: int = 1) -> Kernel:
     """The kernel that will run `layer`, for inputs of `rows` rows, on the device its buffers live on."""
     forced = layer.kernel_name or os.environ.get("LLMEASYQUANT_KERNEL") or None
     if forced:

@@ -10,11 +10,8 @@ for them is a plain dequantize-then-GEMM in fp32 (so where it wins, the result i
 with quantized activations have no float candidate: their reference sums integer products in float64, an oracle,
 never fast.
 
-At one row (decode) a kernel that the lean loop can run inside its one native call per block (a kernel with a
-`decode_block_kind` whose `in_decode_block(layer)` holds: runtime/native_block.py) is credited ONE_CALL_CREDIT of
-its time: timed alone it pays the Python around each call, which that call takes off (2-7% of a token at 1B and
-8B, docs/RESULTS.md "One native call a block"), and two near-equal kernels otherwise went either way from run to
-run (half the layers of one 8B W8A16 run on PyTorch's int8 operator, which then stepped on the Python loop).
+Every CPU kernel runs inside the engine's native step (each has a `step_call`: runtime/native_step.py), so the
+timings judge the kernels on the path that runs; none is credited for a path of its own.
 
 `LLMEASYQUANT_KERNEL_CHOICE=first` turns the measurement off: the first supporting kernel in the registry's order,
 for every row count (reproducible across machines; the tests use it).
@@ -41,7 +38,6 @@ import torch
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 16, 128, 512)  # rows timed for each bucket; a call uses the smallest bucket at least its rows
-ONE_CALL_CREDIT = 0.95  # at one row, the share of its time a kernel that runs inside a native block is judged by
 MODES = ("measured", "first")
 Timer = Callable[[Any, Any, torch.Tensor], float]
 _CHOSEN: dict[tuple, str] = {}
@@ -102,13 +98,10 @@ def choose(layer, candidates: list[Any], rows: int, timer: Timer | None = None) 
         x = torch.randn(bucket, layer.in_features, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             times = {k.name: timer(layer, k, x.to(layer.qweight.device)) for k in candidates}
-        credited = {k.name for k in candidates
-                    if bucket == 1 and getattr(k, "decode_block_kind", None) is not None and k.in_decode_block(layer)}
-        _CHOSEN[key] = min(times, key=lambda name: times[name] * (ONE_CALL_CREDIT if name in credited else 1.0))
+        _CHOSEN[key] = min(times, key=times.get)
         log.info("kernel for %s %dx%d at %d rows: %s (%s)", layer.scheme.name, layer.in_features,
                  layer.out_features, bucket, _CHOSEN[key],
-                 ", ".join(f"{name} {1e3 * s:.3f} ms" + (" (one native call a block)" if name in credited else "")
-                           for name, s in times.items()))
+                 ", ".join(f"{name} {1e3 * s:.3f} ms" for name, s in times.items()))
     chosen = _CHOSEN[key]
     return next(k for k in candidates if k.name == chosen)
 

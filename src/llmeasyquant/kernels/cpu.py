@@ -23,6 +23,7 @@ import torch
 
 from llmeasyquant.grid import LEVELS, grid_levels
 from llmeasyquant.kernels import native
+from llmeasyquant.kernels.kernel import StepCall
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS, scope
 from llmeasyquant.primitives import MIN_SCALE, grouped_view, pack_int4, qrange, quantize
 from llmeasyquant.scheme import ActMode, PerChannel, PerGroup, PerTensor, PerToken
@@ -100,6 +101,11 @@ class Int8DynamicActKernel:
         # int32 * fp32 promotes to fp32: float(acc) * s_x, then * s_w, without a separate conversion pass.
         return torch.mul(acc, x_scale) * prepared["scale"][None, :]
 
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        if not prepared["rows"] or "zero" in prepared:  # the general path's PyTorch operators: no step kind
+            return None
+        return StepCall("int_mm", (prepared["wt"], prepared["scale"]))
+
 
 class NativeInt8Int8Kernel(Int8DynamicActKernel):
     """W8A8 for decode on the native integer matmul: the stored [out, in] codes streamed once, four channels a pass
@@ -110,7 +116,6 @@ class NativeInt8Int8Kernel(Int8DynamicActKernel):
     dynamic symmetric per-token activations, the common W8A8 scheme."""
 
     name = "cpu_native_w8a8"
-    decode_block_kind = 2  # runtime/native_block.py: the lean loop runs it inside one native call per block
     # Above this many rows the parent's torch._int_mm runs (3-4x faster at 512 rows, the same bits), so that timing
     # the candidates for a long prompt does not run this kernel where it never wins.
     DIRECT_ROWS = 16
@@ -121,12 +126,10 @@ class NativeInt8Int8Kernel(Int8DynamicActKernel):
 
     # prepare() is the parent's: each channel's scale and code sum are what this kernel reads too.
 
-    def in_decode_block(self, layer) -> bool:
-        return True
-
-    def decode_block_tensors(self, layer, prepared: dict) -> list[torch.Tensor | None]:
-        """What native decode_block reads to run this kernel (its kind 2): codes, scales, code sums."""
-        return [layer.qweight, prepared["scale"], prepared["w_sum"]]
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        if rows > self.DIRECT_ROWS:
+            return super().step_call(layer, prepared, rows)
+        return StepCall("int8_int8", (layer.qweight, prepared["scale"], prepared["w_sum"]))
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         if x.shape[0] > self.DIRECT_ROWS:
@@ -163,6 +166,10 @@ class Int8WeightOnlyKernel:
         y = torch.mul(acc, prepared["scale"][None, :])  # promoted to fp32: float(acc) * scale, one operation
         return self._minus_zero_term(y, x, prepared)
 
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        return StepCall("int8_pack", (layer.qweight, prepared["ones"], prepared["scale"],
+                                      prepared.get("zero_times_scale")))
+
     @staticmethod
     def _minus_zero_term(y: torch.Tensor, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         if "zero_times_scale" in prepared:
@@ -176,7 +183,6 @@ class NativeInt8WeightOnlyKernel(Int8WeightOnlyKernel):
     fused operators build; the measured choice runs it where it is the fastest (decode, on the reference machine)."""
 
     name = "cpu_native_w8a16"
-    decode_block_kind = 1  # runtime/native_block.py, symmetric layers
 
     def supports(self, layer) -> bool:
         return (layer.scheme.bits == 8 and layer.scheme.act is None and _per_row_weights(layer)
@@ -187,12 +193,8 @@ class NativeInt8WeightOnlyKernel(Int8WeightOnlyKernel):
             y = native.built().int8_weight_matmul(x, layer.qweight, prepared["scale"])
         return self._minus_zero_term(y, x, prepared)
 
-    def in_decode_block(self, layer) -> bool:
-        return layer.zeros is None  # the zero points' rank-1 term is PyTorch operators after the matmul
-
-    def decode_block_tensors(self, layer, prepared: dict) -> list[torch.Tensor | None]:
-        """What native decode_block reads to run this kernel (its kind 1): codes, scales."""
-        return [layer.qweight, prepared["scale"], None]
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        return StepCall("int8_weight", (layer.qweight, prepared["scale"], prepared.get("zero_times_scale")))
 
 
 class NativeInt4WeightOnlyKernel:
@@ -246,6 +248,12 @@ class NativeInt4WeightOnlyKernel:
                                                 layer.in_features, layer.group_size)
         return x @ weight.t()
 
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        if prepared["levels"] is not None:  # a grid's tables: no step kind
+            return None
+        kind = "int4_weight" if rows <= self.DIRECT_ROWS else "int4_dequant"
+        return StepCall(kind, (layer.qweight, prepared["scales"], prepared["zeros"]))
+
 
 class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
     """W4A16 decode on integer dot products (native `int4_digits_matmul`): each 32 activations of a row become
@@ -258,7 +266,6 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
     DIRECT_ROWS rows it is its parent: the dequantized fp32 weight and GEMM."""
 
     name = "cpu_native_w4a16_i16"
-    decode_block_kind = 0  # runtime/native_block.py
 
     def supports(self, layer) -> bool:
         group_ok = layer.group_size % 8 == 0 or layer.group_size >= layer.in_features
@@ -283,12 +290,11 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
             return native.built().int4_digits_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"],
                                                      layer.group_size)
 
-    def in_decode_block(self, layer) -> bool:
-        return True
-
-    def decode_block_tensors(self, layer, prepared: dict) -> list[torch.Tensor | None]:
-        """What native decode_block reads to run this kernel (its kind 0): codes, scales, zeros."""
-        return [layer.qweight, prepared["scales"], prepared["zeros"]]
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        if rows <= self.DIRECT_ROWS:
+            return StepCall("int4_digits", (layer.qweight, prepared["scales"], prepared["zeros"]))
+        zeros = prepared["zeros"].float() if prepared["zeros"] is not None else None  # as run() widens them
+        return StepCall("int4_dequant", (layer.qweight, prepared["scales"].float(), zeros))
 
 
 def _grid_levels(layer) -> torch.Tensor | None:
@@ -386,6 +392,14 @@ class NativeInt4Int8Kernel:
             return y - (x_scale * x_zero) @ prepared["weight_sums"]
         return y - (x_scale * x_zero) * prepared["weight_sums"][None, :]
 
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        act = layer.scheme.act
+        if act.group_size is not None and layer.in_features % act.group_size != 0:  # the general quantizer
+            return None
+        return StepCall("int4_int8", (prepared["tiled"], prepared["scales"], prepared["offsets"],
+                                      prepared.get("weight_sums")), act_range=qrange(act.bits),
+                        act_group=act.group_size or 0)
+
 
 @dataclass(frozen=True)
 class _Int4Prepared:
@@ -437,3 +451,7 @@ class Int4WeightOnlyKernel:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16).contiguous(), prepared.packed, prepared.group, prepared.scales_and_zeros)
         return (y if y.shape[1] == layer.out_features else y[:, : layer.out_features]).float()
+
+    def step_call(self, layer, prepared: _Int4Prepared, rows: int) -> StepCall | None:
+        return StepCall("int4_pack", (prepared.packed, prepared.scales_and_zeros), padded_in=prepared.padded_in,
+                        group_size=prepared.group)

@@ -4,7 +4,8 @@ The sources, split by purpose, build one extension module: native/decoder_ops.cp
 rotary embedding and cache write, attention, SiLU x up, int8 rows of activations), native/matmul_kernels.cpp (the
 W8A16 and W4A16 weight-only matmuls, the W4A8 and W8A8 integer matmuls), native/w4a8_amx.cpp (W4A8 for a prompt's
 rows on AMX's int8 tiles where the CPU has them; native/w4a8_tiles.h is the weight layout the two share),
-native/decode_block.cpp (a decode step's block in one call, chaining the operators above),
+native/native_step.cpp (the engine's step over a model's blocks in one call, chaining the operators above and
+the paged ones below; native/step_kinds.h: the ways a linear runs in it, shared with Python as STEP_KINDS),
 native/paged_ops.cpp (the serving engine's paged KV pool, float and SimQuant coded: stores and attention;
 kernels/paged_reference.py is their PyTorch oracle),
 native/memory_probe.cpp (the streaming read that eval/bench.py's read bandwidth takes), native/exact_sum_ops.cpp
@@ -40,10 +41,10 @@ import torch
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
-# Compiled into the one extension: the decoder's operators, the matmul kernels (and W4A8's AMX path for prompts), a
-# decode step's block in one call, the paged KV pool's operators, the read-bandwidth probe, the exact sums'
+# Compiled into the one extension: the decoder's operators, the matmul kernels (and W4A8's AMX path for prompts), the
+# engine's step in one call, the paged KV pool's operators, the read-bandwidth probe, the exact sums'
 # cut-and-add, GPTQ's column loop, the module's registration.
-SOURCES = tuple(NATIVE / name for name in ("decoder_ops.cpp", "matmul_kernels.cpp", "w4a8_amx.cpp", "decode_block.cpp",
+SOURCES = tuple(NATIVE / name for name in ("decoder_ops.cpp", "matmul_kernels.cpp", "w4a8_amx.cpp", "native_step.cpp",
                                            "paged_ops.cpp", "memory_probe.cpp", "exact_sum_ops.cpp", "gptq_ops.cpp",
                                            "bindings.cpp"))
 # torch.backends.cpu.get_cpu_capability() -> instruction-set flags; CPU_CAPABILITY_* selects the width of ATen's

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from llmeasyquant.kernels.kernel import StepCall
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, QUANTIZE_ACTIVATIONS, scope
 from llmeasyquant.primitives import expand_groups, grouped_view, quantize
 
@@ -94,3 +95,15 @@ class ReferenceKernel:
         with scope(LOAD_WEIGHTS):
             weight = _weight(layer)
         return x @ weight.t()
+
+    def step_call(self, layer, prepared: None, rows: int) -> StepCall | None:
+        """Weight-only layers of uniform 8- or 4-bit codes: the same dequantization, then the fp32 GEMM (the 4-bit
+        codes through the native dequantizer, which gives this kernel's fp32 weight bit for bit). Layers with
+        quantized activations sum in float64 here, an oracle, never a step."""
+        if layer.scheme.act is not None or layer.scheme.grid is not None or layer.scheme.bits not in (4, 8):
+            return None
+        zeros = None if layer.zeros is None else layer.zeros.to(torch.int32)
+        if layer.scheme.bits == 8:
+            return StepCall("int8_dequant", (layer.qweight, layer.scales.float(), zeros))
+        return StepCall("int4_dequant", (layer.qweight, layer.scales.float().contiguous(),
+                                         None if zeros is None else zeros.float().contiguous()))

@@ -1,28 +1,47 @@
-"""One forward step over the rows of many sequences: the serving engine's decode loop (runtime/engine.py).
+"""One forward step over the rows of many sequences: the serving engine's decode loop (runtime/engine.py), and the
+one path every command that generates text takes (runtime/decoder.py is it for one sequence).
 
 The rows of a step are any mix of decode tokens (one row of a running sequence) and prompt chunks (consecutive
 rows of one sequence): each row carries its own sequence slot and position, so the linears run once over all rows
 (the integer kernels see a batch, as they are measured for) while rotary embedding, the KV pool write and attention
 follow each row's own sequence (runtime/kv_pool.py). Rows never see another sequence's keys.
+
+The blocks run as one native call (runtime/native_step.py) where the fused operators cover the model; `_block` is
+the same computation in Python, the reference the native step is tested against, and what runs a block the native
+step does not take (and every block while the profiler runs, so that its breakdown sees the operators one by one).
 """
 
 from __future__ import annotations
 
 import torch
 
+from llmeasyquant.kernels.choice import is_pinned, row_bucket
 from llmeasyquant.nn.positions import row_positions
 from llmeasyquant.runtime.kv_pool import KVPool, Rows
 from llmeasyquant.runtime.model_parts import NO_NORM, DecoderParts
+from llmeasyquant.runtime.native_step import NativeStep, build_step
 
 
 class BatchDecoder:
     """`forward(ids, rows, wanted)`: the logits [len(wanted), vocab] of the rows `wanted`, after writing every
-    row's keys and values into the pool."""
+    row's keys and values into the pool. `native=False` keeps every block on the Python forward."""
 
-    def __init__(self, parts: DecoderParts, pool: KVPool) -> None:
+    def __init__(self, parts: DecoderParts, pool: KVPool, native: bool = True) -> None:
         self.parts, self.pool = parts, pool
         self.ops = parts.fused_ops
         self.norms = [block.qk_norm or (NO_NORM, NO_NORM) for block in parts.blocks]
+        self.native = native
+        # (row bucket, threads, pinned) -> the native step for such steps: kernels are chosen per bucket and threads
+        self._steps: dict[tuple[int, int, bool], NativeStep | None] = {}
+
+    def native_step(self, rows: int) -> NativeStep | None:
+        """The native program for steps of `rows` rows (built on first use), or None when the Python forward runs."""
+        if not self.native or self.ops is None or torch.autograd._profiler_enabled():
+            return None
+        key = (row_bucket(rows), torch.get_num_threads(), is_pinned())
+        if key not in self._steps:
+            self._steps[key] = build_step(self.parts, self.pool, rows)
+        return self._steps[key]
 
     def _rms(self, x: torch.Tensor, norm) -> torch.Tensor:
         return self.ops.rms_norm(x, norm.weight, norm.eps) if self.ops is not None else norm(x)
@@ -39,15 +58,21 @@ class BatchDecoder:
             return self._forward(ids, rows, wanted)
 
     def _forward(self, ids: torch.Tensor, rows: Rows, wanted: torch.Tensor) -> torch.Tensor:
-        parts, pool = self.parts, self.pool
+        parts = self.parts
         cos, sin = parts.cos[rows.positions].float(), parts.sin[rows.positions].float()  # [rows, dim]
         x = parts.embed(ids).float()  # [rows, hidden]; the pool operators take fp32 rows
-        for index, block in enumerate(parts.blocks):
-            qkv = block.qkv(self._rms(x, block.attn_norm))
-            queries = pool.store(index, qkv.float().contiguous(), cos, sin, rows, self.norms[index])
-            attended = pool.attend(index, queries, rows, parts.scaling)
-            x = x + block.o(attended)
-            x = x + block.down(self._mlp_input(block, block.gate_up(self._rms(x, block.mlp_norm))))
+        step = self.native_step(ids.shape[0])
+        for first, last, native in step.runs if step is not None else ((0, len(parts.blocks), False),):
+            if native:  # in place, the blocks [first, last) in one call
+                step.program.run(x, cos, sin, rows.slots, rows.row_seq, rows.positions, rows.lengths, first, last)
+                continue
+            for index in range(first, last):
+                x = self._block(index, x, cos, sin, rows)
         return parts.logits(x[wanted]).float()
 
-
+    def _block(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Rows) -> torch.Tensor:
+        block, pool = self.parts.blocks[index], self.pool
+        qkv = block.qkv(self._rms(x, block.attn_norm))
+        queries = pool.store(index, qkv.float().contiguous(), cos, sin, rows, self.norms[index])
+        x = x + block.o(pool.attend(index, queries, rows, self.parts.scaling))
+        return x + block.down(self._mlp_input(block, block.gate_up(self._rms(x, block.mlp_norm))))

@@ -138,6 +138,23 @@ class KVPool:
         """Each row's attention over its sequence's positions < its length: [rows, heads * dim]."""
         raise NotImplementedError
 
+    def native_layout(self) -> NativeLayout:
+        """What the native step (runtime/native_step.py) reads of the pool."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class NativeLayout:
+    """A pool as the native step takes it: each layer's tensors (float: keys and values; coded: the 11 tensors of
+    paged_ops.cpp), and for the coded pool its rotary tables, bits and sink positions."""
+
+    quantized: bool
+    layers: list[list[torch.Tensor]]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    bits: int = 0
+    sinks: int = 0
+
 
 class FloatPool(KVPool):
     block_size = FLOAT_BLOCK
@@ -149,12 +166,17 @@ class FloatPool(KVPool):
             raise ConfigError(f"unknown KV dtype {dtype!r}; choose one of {', '.join(FLOAT_DTYPES)}")
         self.dtype = FLOAT_DTYPES[dtype]
         self.kind = dtype
-        self.block_bytes = 2 * shape.layers * shape.kv_heads * self.block_size * shape.head_dim * self.dtype.itemsize
+        self.block_bytes = self.bytes_per_block(shape, dtype)
         super().__init__(shape, budget_bytes, max_running, max_context)
         pool_shape = (shape.layers, self.num_blocks, shape.kv_heads, self.block_size, shape.head_dim)
         self.keys = torch.empty(pool_shape, dtype=self.dtype)
         self.values = torch.empty(pool_shape, dtype=self.dtype)
         self._layers = [(self.keys[i], self.values[i]) for i in range(shape.layers)]
+
+    @classmethod
+    def bytes_per_block(cls, shape: Shape, dtype: str) -> int:
+        """Bytes of one block of keys and values across all layers."""
+        return 2 * shape.layers * shape.kv_heads * cls.block_size * shape.head_dim * FLOAT_DTYPES[dtype].itemsize
 
     def store(self, layer, qkv, cos, sin, rows, norms):
         keys, values = self._layers[layer]
@@ -165,6 +187,10 @@ class FloatPool(KVPool):
     def attend(self, layer, q, rows, scale):
         keys, values = self._layers[layer]
         return self.ops.paged_attention(q, keys, values, self.tables, rows.row_seq, rows.lengths, scale)
+
+    def native_layout(self) -> NativeLayout:
+        none = torch.empty(0)
+        return NativeLayout(False, [list(pair) for pair in self._layers], none, none)
 
 
 class QuantPool(KVPool):
@@ -210,6 +236,9 @@ class QuantPool(KVPool):
     def attend(self, layer, q, rows, scale):
         return self.ops.quant_attention(q, self._layers[layer], self.tables, rows.row_seq, rows.lengths, self.cos,
                                         self.sin, self.bits, self.sinks, scale)
+
+    def native_layout(self) -> NativeLayout:
+        return NativeLayout(True, self._layers, self.cos, self.sin, self.bits, self.sinks)
 
 
 def check_servable(config: KVQuantConfig) -> None:

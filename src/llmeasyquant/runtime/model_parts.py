@@ -1,5 +1,5 @@
-"""A pre-norm rotary decoder taken apart for the lean loops (runtime/decoder.py at batch 1, runtime/batch.py for
-the serving engine): its embedding, its blocks' norms and linears as plain callables, the final norm, the head and
+"""A pre-norm rotary decoder taken apart for the engine's forward (runtime/batch.py, and runtime/native_step.py
+for its native step): its embedding, its blocks' norms and linears as plain callables, the final norm, the head and
 the rotary tables, read once from the model's own modules (the families whose arch entry has a `decoder` map).
 
 Calling `.forward` of each module skips nn.Module.__call__'s hook bookkeeping on the hot path; QuantLinear layers
@@ -47,15 +47,33 @@ NO_NORM = Norm(None, 0.0)  # type: ignore[arg-type]  # what the fused rotary ope
 
 
 @dataclass(frozen=True)
+class Projection:
+    """One of a block's projections: its members' outputs side by side (a single member where q/k/v or gate/up
+    run as one GEMM, or the model stores them fused); the native step reads the members' layers."""
+
+    members: tuple[Linear, ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.members) == 1:
+            return self.members[0](x)
+        return torch.cat([member(x) for member in self.members], dim=-1)
+
+
+@dataclass(frozen=True)
 class Block:
     attn_norm: Norm
-    qkv: Linear  # [T, hidden] -> [T, (heads + 2 kv_heads) * head_dim]: q, k, v side by side
+    qkv: Projection  # [T, hidden] -> [T, (heads + 2 kv_heads) * head_dim]: q, k, v side by side
     qk_norm: tuple[Norm, Norm] | None
-    o: Linear
+    o: Projection
     mlp_norm: Norm
-    gate_up: Linear  # [T, hidden] -> [T, 2 * intermediate]: gate then up
+    gate_up: Projection  # [T, hidden] -> [T, 2 * intermediate]: gate then up
     activation: Callable[[torch.Tensor], torch.Tensor]
-    down: Linear
+    down: Projection
+
+    @property
+    def projections(self) -> tuple[Projection, Projection, Projection, Projection]:
+        """qkv, o, gate_up, down: the order of the native step's projections."""
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 def callable_of(module: nn.Module) -> Linear:
@@ -63,15 +81,14 @@ def callable_of(module: nn.Module) -> Linear:
     return module if module._forward_pre_hooks else module.forward
 
 
-def joined(members: list[nn.Module]) -> Linear:
-    """One callable giving the members' outputs side by side: their fused group's single GEMM when
-    `fuse_shared_inputs` joined them, else each layer in turn."""
+def joined(members: list[nn.Module]) -> Projection:
+    """The members' outputs side by side: their fused group's single GEMM when `fuse_shared_inputs` joined them,
+    else each layer in turn."""
     shared = [getattr(m, "shared", None) for m in members]
     if shared[0] is not None and all(s is not None and s[0] is shared[0][0] and s[1] == i
                                      for i, s in enumerate(shared)):
-        return shared[0][0].combined.forward
-    calls = [callable_of(m) for m in members]
-    return lambda x: torch.cat([call(x) for call in calls], dim=-1)
+        return Projection((shared[0][0].combined.forward,))
+    return Projection(tuple(callable_of(m) for m in members))
 
 
 class DecoderParts:
@@ -131,17 +148,18 @@ class DecoderParts:
             qk_norm = (Norm.of(at(spec.qk_norm[0]), offset), Norm.of(at(spec.qk_norm[1]), offset))
         # A fused projection (Phi-3's qkv_proj, gate_up_proj) already gives the members side by side.
         qkv = (joined([at(attention.q), at(attention.k), at(attention.v)]) if attention.q is not None
-               else callable_of(at(attention.qkv)))
-        gate_up = joined([at(spec.gate), at(spec.up)]) if spec.gate_up is None else callable_of(at(spec.gate_up))
+               else Projection((callable_of(at(attention.qkv)),)))
+        gate_up = (joined([at(spec.gate), at(spec.up)]) if spec.gate_up is None
+                   else Projection((callable_of(at(spec.gate_up)),)))
         return Block(
             attn_norm=Norm.of(at(spec.attn_norm), offset),
             qkv=qkv,
             qk_norm=qk_norm,
-            o=callable_of(at(attention.o)),
+            o=Projection((callable_of(at(attention.o)),)),
             mlp_norm=Norm.of(at(spec.mlp_norm), offset),
             gate_up=gate_up,
             activation=at(spec.activation),
-            down=callable_of(at(spec.down)),
+            down=Projection((callable_of(at(spec.down)),)),
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include "native_step.h"
 #include "operators.h"
 
 // ==== registration ====
@@ -40,5 +41,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_levels_matmul", &int4_levels_matmul);
   m.def("hadamard_transform", &hadamard_transform);
   m.def("search_clip_rows", &search_clip_rows);
-  m.def("decode_block", &decode_block);
+  // The engine's step (native_step.h): built once per model and row count, run every step.
+  py::class_<StepProgram>(m, "StepProgram")
+      .def(py::init<int64_t, double, bool, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double>())
+      .def("add_block", &StepProgram::add_block)
+      .def("add_linear", &StepProgram::add_linear)
+      .def("run", &StepProgram::run)
+      .def("blocks", &StepProgram::blocks);
+  // The kinds of step_kinds.h by name, for the kernels' step_call (their one definition is that header).
+  py::dict kinds;
+#define LLMEASYQUANT_STEP_KIND_ENTRY(name, text) kinds[text] = static_cast<int64_t>(name);
+  LLMEASYQUANT_STEP_KINDS(LLMEASYQUANT_STEP_KIND_ENTRY)
+#undef LLMEASYQUANT_STEP_KIND_ENTRY
+  m.attr("STEP_KINDS") = kinds;
 }

@@ -127,13 +127,3 @@ at::Tensor quant_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
 std::tuple<at::Tensor, at::Tensor> quant_gather(const std::vector<at::Tensor>& pool, const at::Tensor& table_in,
                                                 int64_t seq, int64_t length, const at::Tensor& cos_in,
                                                 const at::Tensor& sin_in, int64_t bits, int64_t sinks);
-
-// ==== one decode step of a block (decode_block.cpp) ====
-
-// x: [1, hidden] fp32 (updated in place), tensors: the norms and the four linears' codes, scales, zeros or code sums,
-// and biases (runtime/native_block.py), kinds (which operators run each linear), group_sizes: [4], eps: [4],
-// min_scale: W8A8's activation scale floor, cos, sin: [1, dim], keys, values: [kv_heads, max, dim] -> x
-at::Tensor decode_block(at::Tensor x, const std::vector<c10::optional<at::Tensor>>& tensors,
-                        const std::vector<int64_t>& kinds, const std::vector<int64_t>& group_sizes,
-                        const std::vector<double>& eps, double min_scale, const at::Tensor& cos, const at::Tensor& sin,
-                        at::Tensor keys, at::Tensor values, int64_t pos, int64_t heads, double scale);

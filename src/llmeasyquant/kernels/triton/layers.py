@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmeasyquant.kernels.kernel import StepCall
 from llmeasyquant.kernels.triton.launch import can_launch
 from llmeasyquant.scheme import ActMode, PerToken
 
@@ -49,6 +50,9 @@ class TritonW8A8Kernel:
                 qx = w8a8.quantize_with_scale(x, qp.scale, qp.zero)
         return w8a8.int8_matmul(qx, prepared, out_dtype=torch.float32)
 
+    def step_call(self, layer, prepared, rows: int) -> StepCall | None:
+        return None  # the native step is the CPU's; on a GPU the Python forward launches the kernel
+
 
 class TritonW4A16Kernel:
     """W4A16: packed 4-bit weights unpacked and scaled (per group or per channel, zero points when asymmetric)
@@ -78,3 +82,6 @@ class TritonW4A16Kernel:
         from llmeasyquant.kernels.triton import w4a16
 
         return w4a16.w4a16_matmul(x, prepared, dot_dtype=self.dtype, out_dtype=torch.float32)
+
+    def step_call(self, layer, prepared, rows: int) -> StepCall | None:
+        return None  # the native step is the CPU's; on a GPU the Python forward launches the kernel

@@ -1,0 +1,41 @@
+// The ways a linear runs inside the native step (native_step.cpp), one definition for C++ and Python: bindings.cpp
+// exports the names and numbers as the module's STEP_KINDS, and each kernel of kernels/cpu.py and
+// kernels/reference.py names the kind it runs at a row count (its `step_call`). A new kernel is one entry here, one
+// case in native_step.cpp's run_linear and one `step_call`.
+//
+// Each kind lists what its call's tensors a, b, c, d hold (absent: an undefined tensor) and the operators it runs,
+// those its kernel's `run` runs for the same rows, in the same order (so the same bits).
+
+#pragma once
+
+#define LLMEASYQUANT_STEP_KINDS(X)                                                                                   \
+  /* an nn.Linear: at::linear(x, a = weight, bias) */                                                                \
+  X(kFloat, "float")                                                                                                 \
+  /* int8_weight_matmul(x, a = codes, b = scales), minus x.sum(1) * c (zero times scale) where c is given */         \
+  X(kInt8Weight, "int8_weight")                                                                                      \
+  /* _weight_int8pack_mm(bf16 x, a = codes, b = unit scales) * c (scales), minus x.sum(1) * d where d is given */    \
+  X(kInt8Pack, "int8_pack")                                                                                          \
+  /* quantize_rows(x), int8_int8_matmul(.., a = codes, b = scales, c = code sums) */                                 \
+  X(kInt8Int8, "int8_int8")                                                                                          \
+  /* quantize_rows(x), _int_mm(.., a = codes as [in, out]), dequantize_rows(.., b = scales) */                       \
+  X(kIntMm, "int_mm")                                                                                                \
+  /* the codes a dequantized as (a - c) * b (zero points c where given, scales b per group), then x @ w^T */         \
+  X(kInt8Dequant, "int8_dequant")                                                                                    \
+  /* int4_digits_matmul(x, a = packed, b = scales, c = zeros, group) */                                              \
+  X(kInt4Digits, "int4_digits")                                                                                      \
+  /* int4_weight_matmul(x, a = packed, b = scales, c = zeros, group, bf16 dot products) */                           \
+  X(kInt4Weight, "int4_weight")                                                                                      \
+  /* dequantize_int4(a = packed, b = scales, c = zeros, in, group), then x @ w^T */                                  \
+  X(kInt4Dequant, "int4_dequant")                                                                                    \
+  /* x padded to padded_in, _weight_int4pack_mm_for_cpu(bf16 x, a = packed, group, b = scales and zeros) */          \
+  X(kInt4Pack, "int4_pack")                                                                                          \
+  /* per-token (or per-group) activation codes, int4_int8_matmul(.., a = tiles, b = scales, c = offsets), minus the */ \
+  /* zero points' term with d (weight sums) when the activations are asymmetric */                                    \
+  X(kInt4Int8, "int4_int8")
+
+enum StepKind : int64_t {
+#define LLMEASYQUANT_STEP_KIND_ENUM(name, text) name,
+  LLMEASYQUANT_STEP_KINDS(LLMEASYQUANT_STEP_KIND_ENUM)
+#undef LLMEASYQUANT_STEP_KIND_ENUM
+      kStepKinds
+};
