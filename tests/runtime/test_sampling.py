@@ -238,6 +238,9 @@ def test_inverse_cdf_never_picks_a_token_of_probability_zero() -> None:
     many = torch.cat([torch.rand(300, 1, generator=generator), torch.tensor([[0.0], [largest]])])
     picked = _inverse_cdf(probs.expand(len(many), -1), many)
     assert bool((probs[0, picked] > 0).all())
+    # NaN logits: no token past the vocabulary, but an error that fails the step (as torch.multinomial raised).
+    with pytest.raises(ValueError, match="not finite"):
+        choose_tokens(torch.full((1, VOCAB), float("nan")), [sampler(seed=1)])
     # Probabilities that do not add up to 1 (top-p zeroed some): the uniform spans what is left.
     assert _inverse_cdf(torch.tensor([[0.2, 0.0, 0.2]]), torch.tensor([[0.6]])).tolist() == [2]
 

@@ -139,7 +139,10 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    if bool((tokens == probs.shape[-1]).any()):  # only a NaN target passes the last token: fail the step
+        raise ValueError("a row's probabilities are not finite (the model gave NaN or infinite logits)")
+    return tokens
 
 
 def _on_rows(values: torch.Tensor, rows: list[int], change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
