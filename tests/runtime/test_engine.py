@@ -19,6 +19,7 @@ from llmeasyquant.methods import Rotate
 from llmeasyquant.methods.rtn import RTN
 from llmeasyquant.nn.kv.config import KVQuantConfig
 from llmeasyquant.plan import Plan, Rule
+from llmeasyquant.runtime.detokenize import Detokenizer
 from llmeasyquant.runtime.engine import Engine, EngineConfig
 from llmeasyquant.runtime.kv_pool import FloatPool, QuantPool, Shape
 from llmeasyquant.runtime.requests import EngineStopped, QueueFull, RequestError, SamplingParams
@@ -221,6 +222,40 @@ def test_seeded_sampling_repeats_whatever_runs_beside_it(engine_for):
     assert alone == crowd
     other = run_all(engine, [[5, 6, 7]], SamplingParams(**{**params.__dict__, "seed": 8}))[0]
     assert other != alone
+
+
+def test_a_seeded_request_repeats_beside_requests_sampled_otherwise(engine_for):
+    """The step chooses every sequence's token in one batched pass: a request's tokens must still be its own, beside
+    greedy, biased, penalised, filtered and log-probability rows (and before, after and between them)."""
+    engine = engine_for(lively(), kv_dtype="float32")
+    prompt = [5, 6, 7]
+    params = SamplingParams(max_tokens=10, temperature=1.2, top_p=0.8, seed=13, ignore_eos=True)
+    alone = run_all(engine, [prompt], params)[0]
+    others = [dataclasses.replace(params, temperature=0.0), dataclasses.replace(params, seed=1, top_k=3),
+              dataclasses.replace(params, seed=2, logit_bias={40: 5.0}, frequency_penalty=1.0, logprobs=2),
+              dataclasses.replace(params, seed=3, top_p=0.05, temperature=2.0)]
+    batch = prompts(4)
+    for place in (0, 2, 4):
+        requests = list(zip(batch, others, strict=True))
+        requests.insert(place, (prompt, params))
+        streams = [engine.submit(p, o) for p, o in requests]
+        tokens = [[t for event in stream for t in event.token_ids] for stream in streams]
+        assert tokens[place] == alone, place
+
+
+def test_detokenizing_and_stop_strings_run_outside_the_engine_lock(engine_for, monkeypatch):
+    """Per-sequence text work must not hold the lock that submitting requests and reading stats take."""
+    engine = engine_for(lively())
+    held: list[bool] = []
+    add = Detokenizer.add
+
+    def watched(self: Detokenizer, token: int) -> str:
+        held.append(engine._lock._is_owned())
+        return add(self, token)
+
+    monkeypatch.setattr(Detokenizer, "add", watched)
+    run_all(engine, prompts(3), dataclasses.replace(GREEDY, stop=("never there",)))
+    assert len(held) == 3 * GREEDY.max_tokens and not any(held)
 
 
 def test_eos_ends_a_request_as_stop(engine_for, tiny_tokenizer):

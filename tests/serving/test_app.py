@@ -3,12 +3,17 @@ streams, every bad input answered with an OpenAI error body (and the server stil
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from llmeasyquant.runtime.engine import Engine, EngineConfig
 from llmeasyquant.runtime.requests import EngineStopped, QueueFull, SamplingParams, TokenEvent
-from llmeasyquant.serving.app import build_app
+from llmeasyquant.serving.app import _queued, build_app
 from serving_helpers import make_chat_folder, metric_samples, requests_by, sse_chunks
 
 pytestmark = pytest.mark.timeout(120)
@@ -368,6 +373,64 @@ def test_the_tokenizer_endpoints_are_the_engines_tokenizer(client: TestClient, e
                               ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model")):
         error = client.post(path, json=body)
         assert error.status_code in (400, 404) and error.json()["error"]["param"] == param
+
+
+def on_the_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_tokenizing_and_queueing_run_off_the_event_loop(client: TestClient, engine: Engine,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt's tokenization (or chat template) must not hold up the event loop that streams to the other
+    clients: every engine call that grows with the prompt runs in a worker thread."""
+    calls: list[tuple[str, bool]] = []
+
+    def watched(name: str, method: Callable[..., object], *args: object, **kwargs: object) -> object:
+        calls.append((name, on_the_event_loop()))
+        return method(*args, **kwargs)
+
+    for name in ("tokenize", "decode", "chat_prompt", "submit_prompts", "submit_many"):
+        monkeypatch.setattr(engine, name, partial(watched, name, getattr(engine, name)))
+    assert client.post("/tokenize", json={"prompt": PROMPT}).status_code == 200
+    assert client.post("/detokenize", json={"tokens": [5, 6]}).status_code == 200
+    assert client.post("/v1/completions", json=completion([5, 6, 7], echo=True)).status_code == 200
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+    assert {name for name, _ in calls} == {"tokenize", "decode", "chat_prompt", "submit_prompts", "submit_many"}
+    assert not any(loop for _, loop in calls), calls
+
+
+def test_requests_queued_for_a_handler_cancelled_meanwhile_are_cancelled() -> None:
+    """The handler awaits the worker thread that queues its requests; cancelled then (the server stopping), it
+    must not leave them running unread, holding their slots and KV memory."""
+    started, release = threading.Event(), threading.Event()
+    streams = [SimpleNamespace(cancelled=False) for _ in range(3)]
+    for stream in streams:
+        stream.cancel = partial(setattr, stream, "cancelled", True)
+
+    def submit() -> tuple[list, None]:
+        started.set()
+        release.wait(10)
+        return [streams[:2], streams[2:]], None
+
+    async def cancel_while_queueing() -> None:
+        task = asyncio.ensure_future(_queued(submit))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert not any(stream.cancelled for stream in streams)  # still queueing
+        release.set()
+        for _ in range(100):
+            if all(stream.cancelled for stream in streams):
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(cancel_while_queueing())
+    assert all(stream.cancelled for stream in streams)
 
 
 def test_echo_starts_each_choice_with_its_prompt(client: TestClient, engine: Engine) -> None:

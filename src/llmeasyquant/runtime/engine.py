@@ -9,12 +9,13 @@ One background thread runs steps. Each step:
    multiples of `prefill_chunk` positions, at most `prefill_chunk` prompt tokens a step over all sequences, so a
    long prompt delays the decoding sequences by one chunk's work per step, never by the whole prompt. Aligned
    chunks make a sequence's computation the same whatever runs beside it;
-4. samples each sequence's next token on its own generator, detokenizes it, cuts stop strings, and pushes an event
-   to the request's stream. Sequences whose requests asked for logit_bias, penalties or log probabilities have a
-   RequestSampler of their own (runtime/sampling.py) that shapes their row of logits first; the others take the
-   plain path, as if those options did not exist. Sequences that asked for prompt log probabilities also get the
-   logits of every row of their prompt chunks (the same forward; only those rows pass the LM head) and score
-   each prompt token with the row before it.
+4. chooses every sequence's next token at once (runtime/sampling.py: a constant number of tensor operations
+   whatever the batch; each sampled request draws from its own seeded generator, its logit_bias and penalties
+   added to its row alone), then, outside the lock, detokenizes each token, cuts stop strings and pushes an event
+   to the request's stream: the lock is taken only to give the slots of the sequences that ended back, so
+   submitting requests and reading stats never wait for the detokenizers. Sequences that asked for prompt log
+   probabilities also get the logits of every row of their prompt chunks (the same forward; only those rows pass
+   the LM head) and score each prompt token with the row before it.
 Requests join and leave the batch at every step. The queue is bounded (`max_queue`): beyond it submit raises
 QueueFull, which a server answers with 429. `submit_many` queues n completions of one prompt (OpenAI's `n`) as n
 sequences, `submit_prompts` n completions of each of several prompts (OpenAI's list of prompts), all of them or
@@ -58,7 +59,7 @@ from llmeasyquant.runtime.requests import (
     TokenEvent,
     TokenLogprob,
 )
-from llmeasyquant.runtime.sampling import RequestSampler, greedy_tokens, sample, token_logprobs
+from llmeasyquant.runtime.sampling import RequestSampler, choose_tokens, token_logprobs
 from llmeasyquant.runtime.token_pieces import TokenPieces
 
 log = logging.getLogger(__name__)
@@ -152,12 +153,11 @@ class _Sequence:
     stream: RequestStream
     params: SamplingParams
     prompt: list[int]
-    detokenizer: Detokenizer
-    generator: torch.Generator | None
+    detokenizer: Detokenizer  # touched by the engine's thread alone, outside the lock
+    sampler: RequestSampler  # its seeded generator, logit_bias and penalties
     slot: int = -1
     prefilled: int = 0  # prompt positions in the cache
     tokens: list[int] = field(default_factory=list)  # generated ids (the last one not yet in the cache)
-    sampler: RequestSampler | None = None  # only for requests with logit_bias, penalties or logprobs
     logprobs: list[TokenLogprob] | None = None  # one per token given to the detokenizer, when asked for
     logprobs_sent: int = 0  # how many of them have gone out in events
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, when asked for
@@ -363,20 +363,18 @@ class Engine:
         return ids
 
     def _sequence(self, ids: list[int], params: SamplingParams, choice: int, offsets: list[int]) -> _Sequence:
-        """Completion `choice` of a request: its stream, seeded generator and, when it asks for more than plain
-        sampling, its RequestSampler; `offsets`: where each prompt token's text starts, when it asks for prompt
-        log probabilities."""
+        """Completion `choice` of a request: its stream and its RequestSampler (seeded); `offsets`: where each
+        prompt token's text starts, when it asks for prompt log probabilities."""
         stream = RequestStream(f"cmpl-{uuid.uuid4().hex[:24]}", ids)
         if params.seed is not None:  # seed + choice; past 2**64 - 1 it wraps, as the generator reads 64 bits
             seed = params.seed + choice
             seed -= 2**64 if seed > SEED_RANGE[1] else 0
         else:  # drawn even for greedy requests, so that the engine's draws do not depend on them
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        generator = None if params.greedy else torch.Generator().manual_seed(seed)
-        sequence = _Sequence(stream, params, ids, Detokenizer(self.tokenizer, params.stop, ids), generator)
-        if not params.plain:
-            sequence.sampler = RequestSampler(params, self.vocab, generator)
-            sequence.logprobs = None if params.logprobs is None else []
+        sampler = RequestSampler(params, self.vocab, seed)
+        sequence = _Sequence(stream, params, ids, Detokenizer(self.tokenizer, params.stop, ids), sampler)
+        if params.logprobs is not None:
+            sequence.logprobs = []
         if params.prompt_logprobs is not None:
             sequence.prompt_logprobs, sequence.prompt_offsets = [], offsets
         return sequence
@@ -478,19 +476,32 @@ class Engine:
             sequence.slot = slot
             self._running.append(self._waiting.popleft())
 
-    def _end(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
-             logprobs: tuple[TokenLogprob, ...] | None = ()) -> None:
-        """Push the last event. A request that asked for log probabilities gets a tuple (maybe empty), else None."""
-        sequence.stream.push(TokenEvent(text, token_ids, len(sequence.prompt), len(sequence.tokens), reason,
-                                        time.perf_counter(), None if sequence.logprobs is None else logprobs,
-                                        sequence.take_prompt_logprobs()))
+    @staticmethod
+    def _last(sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
+              logprobs: tuple[TokenLogprob, ...] | None = ()) -> TokenEvent:
+        """A sequence's last event. A request that asked for log probabilities gets a tuple (maybe empty), else
+        None."""
+        return TokenEvent(text, token_ids, len(sequence.prompt), len(sequence.tokens), reason, time.perf_counter(),
+                          None if sequence.logprobs is None else logprobs, sequence.take_prompt_logprobs())
 
-    def _finish(self, sequence: _Sequence, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
-                logprobs: tuple[TokenLogprob, ...] | None = ()) -> None:
-        """Under the lock: end a running sequence and give its slot and blocks back."""
-        self._running.remove(sequence)
-        self.pool.release(sequence.slot)
-        self._end(sequence, reason, text, token_ids, logprobs)
+    def _end(self, sequence: _Sequence, reason: str) -> None:
+        """End a sequence that never ran (it holds no slot)."""
+        sequence.stream.push(self._last(sequence, reason))
+
+    def _finish(self, sequence: _Sequence, reason: str) -> None:
+        """End a running sequence with nothing more to show (called with the lock held or not: it is
+        re-entrant)."""
+        self._retire([(sequence, self._last(sequence, reason))])
+
+    def _retire(self, ended: list[tuple[_Sequence, TokenEvent]]) -> None:
+        """Give the slots and blocks of running sequences back (under the lock), then push their last events: a
+        client that has read its last event finds the memory free."""
+        with self._lock:
+            for sequence, _ in ended:
+                self._running.remove(sequence)
+                self.pool.release(sequence.slot)
+        for sequence, event in ended:
+            sequence.stream.push(event)
 
     def _step(self, batch: list[_Sequence]) -> None:
         ids, row_seq, positions, wanted, sampling = [], [], [], [], []
@@ -528,27 +539,19 @@ class Engine:
         rows = self.pool.rows(row_seq, positions)
         logits = self.decoder.forward(torch.tensor(ids), rows, torch.tensor(wanted + scoring, dtype=torch.int64))
         self._steps += 1
-        prompt_scores = self._score_prompts(scored, logits[len(wanted):])
-        logits = logits[:len(wanted)]
-        greedy = greedy_tokens(logits) if any(s.params.greedy and s.sampler is None for s in sampling) else []
+        for sequence, entries in self._score_prompts(scored, logits[len(wanted):]):
+            sequence.prompt_logprobs.extend(entries)
+        tokens, logprobs = choose_tokens(logits[:len(wanted)], [sequence.sampler for sequence in sampling])
         now = time.perf_counter()
-        with self._lock:
-            for sequence, entries in prompt_scores:
-                sequence.prompt_logprobs.extend(entries)
-            for sequence in scored_only:
-                if sequence in self._running:
-                    self._finish(sequence, "length")
-            for index, sequence in enumerate(sampling):
-                if sequence not in self._running:
-                    continue
-                logprob = None
-                if sequence.sampler is not None:
-                    token, logprob = sequence.sampler.next(logits[index])
-                elif sequence.params.greedy:
-                    token = greedy[index]
-                else:
-                    token = sample(logits[index], sequence.params, sequence.generator)
-                self._advance(sequence, token, now, logprob)
+        # Only this thread touches a running sequence (the others read stream.cancelled, which the next step acts
+        # on), so the detokenizers and stop strings run outside the lock; it is taken once, for those that ended.
+        ended = [(sequence, self._last(sequence, "length")) for sequence in scored_only]
+        for sequence, token, logprob in zip(sampling, tokens, logprobs, strict=True):
+            last = self._advance(sequence, token, now, logprob)
+            if last is not None:
+                ended.append((sequence, last))
+        if ended:
+            self._retire(ended)
 
     @staticmethod
     def _score_prompts(scored: list[tuple[_Sequence, int, int, int]],
@@ -563,25 +566,28 @@ class Engine:
             out.append((sequence, token_logprobs(rows, targets, sequence.params.prompt_logprobs, offsets)))
         return out
 
-    def _advance(self, sequence: _Sequence, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
-        """Under the lock: take the sequence's new token, push its text, end it when it is done."""
+    def _advance(self, sequence: _Sequence, token: int, now: float,
+                 logprob: TokenLogprob | None = None) -> TokenEvent | None:
+        """Take the sequence's new token and push its text; when the token ends it, its last event instead, not
+        pushed (the caller gives its slot back first)."""
         sequence.tokens.append(token)
         count = len(sequence.tokens)
         detokenizer = sequence.detokenizer
         if token in self.eos and not sequence.params.ignore_eos:  # counted as generated, never shown
-            self._finish(sequence, "stop", detokenizer.flush(), logprobs=self._released(sequence, final=True))
-            return
+            return self._last(sequence, "stop", detokenizer.flush(), logprobs=self._released(sequence, final=True))
         text = detokenizer.add(token)
         if logprob is not None:
             sequence.logprobs.append(dataclasses.replace(logprob, offset=detokenizer.starts[-1]))
         if detokenizer.stopped:
-            self._finish(sequence, "stop", text, (token,), self._released(sequence))
-        elif count >= sequence.params.max_tokens:
-            self._finish(sequence, "length", text + detokenizer.flush(), (token,), self._released(sequence, True))
-        else:  # (the common case: plain requests skip even the call)
-            sequence.stream.push(TokenEvent(text, (token,), len(sequence.prompt), count, None, now,
-                                            None if sequence.logprobs is None else self._released(sequence),
-                                            sequence.take_prompt_logprobs()))
+            return self._last(sequence, "stop", text, (token,), self._released(sequence))
+        if count >= sequence.params.max_tokens:
+            return self._last(sequence, "length", text + detokenizer.flush(), (token,),
+                              self._released(sequence, True))
+        # (the common case: requests without log probabilities skip even the call)
+        sequence.stream.push(TokenEvent(text, (token,), len(sequence.prompt), count, None, now,
+                                        None if sequence.logprobs is None else self._released(sequence),
+                                        sequence.take_prompt_logprobs()))
+        return None
 
     @staticmethod
     def _released(sequence: _Sequence, final: bool = False) -> tuple[TokenLogprob, ...] | None:

@@ -150,13 +150,8 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether the logits change before the choice (a bias or a penalty): the token is chosen per request."""
+        """Whether the logits change before the choice (a bias or a penalty): the request carries an offset."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def plain(self) -> bool:
-        """Nothing beyond temperature, top-k and top-p: the step's shared fast path decodes it."""
-        return self.logprobs is None and not self.shapes_logits
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ prompt p's j-th. Their events are read together, in the order they come: a strea
 choice, each tagged with its index. When the client goes away, or one choice fails, every choice still running is
 cancelled. With `echo`, each choice's first chunk (or its whole text) starts with its prompt's text, and its log
 probabilities with the prompt's, as the engine scored them.
+
+Tokenizing, rendering a chat template, queueing and decoding token ids grow with the prompt: they run in worker
+threads, so that one long prompt never holds up the event loop and the streams of every other client with it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -52,6 +55,9 @@ CHAT_DEFAULT_MAX_TOKENS = 512
 SSE_PING_S = 15.0
 MAX_BODY_BYTES = 8 * 2**20  # far past any prompt a 4,096-token context holds, as text or as token ids
 SHUTDOWN_MARGIN_S = 5.0  # past the engine's grace: time for the last events to reach the clients
+
+_T = TypeVar("_T")
+_Groups = list[list["RequestStream"]]  # per prompt, the streams of its choices
 
 
 @dataclass
@@ -123,7 +129,7 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
     async def tokenize(request: Request) -> JSONResponse:
         req = await _parse(request, protocol.TokenizeRequest, engine.vocab)
         _check_model(state, req.model)
-        tokens = engine.tokenize(req.prompt, req.add_special_tokens)
+        tokens = await asyncio.to_thread(engine.tokenize, req.prompt, req.add_special_tokens)
         state.metrics.count("ok")
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context})
 
@@ -133,7 +139,7 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
         req = await _parse(request, protocol.DetokenizeRequest, engine.vocab)
         _check_model(state, req.model)
         state.metrics.count("ok")
-        return JSONResponse({"prompt": engine.decode(req.tokens)})
+        return JSONResponse({"prompt": await asyncio.to_thread(engine.decode, req.tokens)})
 
     @app.get("/tokenizer_info", dependencies=auth)
     @_guarded
@@ -152,11 +158,16 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
         req = await _parse(request, protocol.CompletionRequest, engine.vocab)
         _check_model(state, req.model)
         params = req.sampling(req.max_tokens, protocol.COMPLETION_DEFAULT_MAX_TOKENS)
-        groups = engine.submit_prompts(req.prompts, params, req.choices)
+
+        def submit() -> tuple[_Groups, list[str] | None]:
+            groups = engine.submit_prompts(req.prompts, params, req.choices)
+            # Echoed: the prompt as sent; token ids as they decode.
+            return groups, [p if isinstance(p, str) else engine.decode(p) for p in req.prompts] if req.echo else None
+
+        groups, texts = await _queued(submit)
         streams = [stream for group in groups for stream in group]
         echo = None
-        if req.echo:  # the prompt as sent; token ids as they decode
-            texts = [p if isinstance(p, str) else engine.decode(p) for p in req.prompts]
+        if texts is not None:
             echo = [_Echo(text, group[0].prompt_ids[0]) for text, group in zip(texts, groups, strict=True)
                     for _ in group]
         fmt = _Format("text_completion", streams[0].id, state.model_name, engine.token_pieces, echo)
@@ -169,10 +180,13 @@ def build_app(engine: Engine, served_model_name: str | None = None, api_key: str
         arrival = time.perf_counter()
         req = await _parse(request, protocol.ChatRequest, engine.vocab)
         _check_model(state, req.model)
-        ids = engine.chat_prompt([m.as_dict() for m in req.messages])
-        default = max(1, min(CHAT_DEFAULT_MAX_TOKENS, engine.max_context - len(ids)))
-        params = req.sampling(req.max_new_tokens(), default)
-        streams = engine.submit_many(ids, params, req.choices)
+
+        def submit() -> tuple[_Groups, None]:
+            ids = engine.chat_prompt([m.as_dict() for m in req.messages])
+            default = max(1, min(CHAT_DEFAULT_MAX_TOKENS, engine.max_context - len(ids)))
+            return [engine.submit_many(ids, req.sampling(req.max_new_tokens(), default), req.choices)], None
+
+        [streams], _ = await _queued(submit)
         chat_id = "chatcmpl-" + streams[0].id.removeprefix("cmpl-")
         fmt = _Format("chat.completion", chat_id, state.model_name, engine.token_pieces)
         return await _answer(request, state, streams, arrival, fmt, req, streams[0].prompt_tokens)
@@ -199,6 +213,27 @@ def _guarded(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Await
                            code="internal_error") from exc
 
     return run
+
+
+async def _queued(submit: Callable[[], tuple[_Groups, _T]]) -> tuple[_Groups, _T]:
+    """What `submit` returns (the streams it queued, and more), run in a worker thread: it tokenizes the prompts
+    (and renders the chat template), which takes time that grows with them. Its errors are raised here as if it
+    had run on the event loop. Should the handler be cancelled meanwhile, the queued requests are cancelled as soon
+    as they exist: nobody would read them, and they would hold their slots and KV memory to their end."""
+    task = asyncio.ensure_future(asyncio.to_thread(submit))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_cancel_queued)
+        raise
+
+
+def _cancel_queued(task: asyncio.Future) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    groups, _ = task.result()
+    for stream in (stream for group in groups for stream in group):
+        stream.cancel()
 
 
 async def _parse(request: Request, model: type[protocol.BaseModel], vocab_size: int) -> Any:
