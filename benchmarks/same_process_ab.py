@@ -1,4 +1,4 @@
-"""What the same-process A/B benchmarks share (huge_pages.py, native_block.py): two ways of decoding one checkpoint,
+"""What the same-process A/B benchmarks share (huge_pages.py, native_step.py): two ways of decoding one checkpoint,
 both timed in every round in a shuffled order (the host is shared and noisy, so the two are compared within each
 round), medians and wins over the rounds, the options, the thread count set for the run, and one record per
 checkpoint in the results file."""

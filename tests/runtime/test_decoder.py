@@ -119,13 +119,20 @@ def test_prefill_in_chunks_equals_one_prefill(fused):
 def test_cache_is_written_in_place_and_bounded():
     model = family_model("llama")
     decoder = LeanDecoder(model, 21)
-    storage = decoder.keys.untyped_storage().data_ptr()
+    assert decoder.pool.num_blocks == 2  # 21 positions in blocks of 16: the pool holds this one sequence
+    storage = decoder.pool.keys.untyped_storage().data_ptr()
     decoder.prefill(prompt())
     decoder.step(torch.tensor(1))
-    assert decoder.length == 21 and decoder.keys.untyped_storage().data_ptr() == storage
-    assert decoder.keys[:, :, :, :21].abs().sum() > 0
+    assert decoder.length == 21 and decoder.pool.keys.untyped_storage().data_ptr() == storage
     with pytest.raises(ValueError, match="built for 21"):
         decoder.step(torch.tensor(1))
+
+
+def test_the_decoder_runs_fp32_models_and_known_cache_types():
+    with pytest.raises(ConfigError, match="load it in float32"):
+        LeanDecoder(family_model("llama").to(torch.bfloat16), 8)
+    with pytest.raises(ConfigError, match="unknown KV dtype"):
+        LeanDecoder(family_model("llama"), 8, kv_dtype="int3")
 
 
 def test_unsupported_family_and_window(tiny_gpt2):

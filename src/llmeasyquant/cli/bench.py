@@ -23,14 +23,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for decode (default 128)")
     b.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated (default 64)")
     b.add_argument("--prefill-tokens", type=int, default=512, help="length of the long prefill (default 512)")
+    b.add_argument("--batch", type=int, default=16, help="sequences decoded together in the timed batched step, "
+                   "the step `serve` runs for that many clients (default 16; 0 to skip)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
     b.add_argument("--text", help="take the prompt from this text: a file, or a shipped text such as 'wikitext2' "
                    "(default: seeded random tokens)")
     b.add_argument("--no-breakdown", action="store_true", help="skip the profiled latency breakdown")
     b.add_argument("--runtime", choices=RUNTIMES, default="auto", help="decode loop for the measured model: 'lean' "
-                   "(static KV cache, short operator path, fused C++ operators; families with a decoder map), "
-                   "'lean-pytorch' "
-                   "(the same loop on PyTorch operators only), 'transformers' (its own forward) or "
+                   "(the serving engine's forward, the path generate, chat and serve run: a paged KV cache and the "
+                   "blocks in one native call; families with a decoder map), 'lean-pytorch' "
+                   "(the same forward on PyTorch operators only), 'transformers' (its own forward) or "
                    "'auto' (lean where the family has it, else transformers; the default). The float baseline runs "
                    "on transformers and, when the measured model runs lean, on the lean loop too, so the gain of "
                    "the loop and of the quantization show apart")
@@ -74,7 +76,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise LLMEasyQuantError("--plot draws the latency breakdown, which --no-breakdown skips: drop one")
         check_output(args.plot, args.force)  # fail before the measurement, not after
     config = BenchConfig(args.prompt_tokens, args.new_tokens, args.prefill_tokens, args.repeats,
-                         thread_counts(args.thread_counts), not args.no_breakdown, args.runtime)
+                         thread_counts(args.thread_counts), not args.no_breakdown, args.runtime, args.batch)
     if is_checkpoint(args.model):
         model, tokenizer = load(args.model)
         baseline_spec = args.baseline or getattr(model, "llmeasyquant_source", None)
@@ -108,7 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     baseline_name = next(iter(models)) if len(models) > 1 else None
     rows = bench(models, prompt, config, baseline=baseline_name, progress=not args.quiet, runtimes=runtimes)
     print("\n".join(summary_lines(rows) + layer_lines(rows)))
-    protocol = {"batch": 1, "text_source": source, "greedy": True, **vars(config) | {"threads": None},
+    protocol = {"decode_batch": 1, "text_source": source, "greedy": True, **vars(config) | {"threads": None},
                 "thread_counts": list(config.threads), "baseline": baseline_name, "fused_groups": fused,
                 "huge_page_bytes": huge_pages}
     records = [Record.new("bench", row["model"], row, protocol | {"threads": row["threads"]}, args.command_line)

@@ -20,7 +20,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from llmeasyquant.eval.speed import RUNTIMES, generation_speed, prefill_speed, profile_decode, resolve_runtime
+from llmeasyquant.eval.speed import (
+    RUNTIMES,
+    batch_step_speed,
+    generation_speed,
+    prefill_speed,
+    profile_decode,
+    resolve_runtime,
+)
 from llmeasyquant.infra.memory import huge_page_buffer
 from llmeasyquant.kernels import native
 
@@ -36,8 +43,11 @@ class BenchConfig:
     threads: tuple[int, ...] = ()  # () = torch's current setting only
     breakdown: bool = True
     runtime: str = "auto"  # for every model but the baseline, which runs on transformers (eval/speed.py RUNTIMES)
+    batch: int = 16  # sequences of the batched decode step timed on the engine's forward (0: not timed)
 
     def __post_init__(self) -> None:
+        if self.batch < 0:
+            raise ValueError(f"batch must be 0 (not timed) or more, got {self.batch}")
         for name in ("prompt_tokens", "prefill_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -109,6 +119,8 @@ def _timed_round(models: dict[str, nn.Module], runtimes: dict[str, str], prompt:
     for name, model in models.items():
         speed = generation_speed(model, prompt[:, : config.prompt_tokens], config.new_tokens, runtime=runtimes[name])
         speed["prefill_long_tok_s"] = prefill_speed(model, long_prompt, runtimes[name])
+        if config.batch and runtimes[name] == "lean":  # the engine's step over a batch of sequences
+            speed["batch_tok_s"] = batch_step_speed(model, prompt[:, : config.prompt_tokens], config.batch)
         found[name] = speed
     return found
 
@@ -147,12 +159,14 @@ def bench(models: dict[str, nn.Module], prompt: torch.Tensor, config: BenchConfi
 
 def _rows(models: dict[str, nn.Module], runtimes: dict[str, str], rounds: list[dict], threads: int,
           bandwidth: float, baseline: str | None, prompt: torch.Tensor, config: BenchConfig) -> list[dict]:
-    keys = ("prefill_tok_s", "prefill_long_tok_s", "decode_tok_s")
-    medians = {name: {k: statistics.median(r[name][k] for r in rounds) for k in keys} for name in models}
+    keys = ("prefill_tok_s", "prefill_long_tok_s", "decode_tok_s", "batch_tok_s")
+    medians = {name: {k: statistics.median(r[name][k] for r in rounds) for k in keys if k in rounds[0][name]}
+               for name in models}
     rows = []
     for name, model in models.items():
         per_token = weight_bytes_per_token(model)
         row = {"model": name, "runtime": runtimes[name], "threads": threads, **medians[name],
+               "decode_ms_per_token": 1000 / medians[name]["decode_tok_s"],
                "decode_tok_s_runs": [r[name]["decode_tok_s"] for r in rounds],
                "weight_bytes_per_token": per_token, "model_mb": model_bytes(model) / 2**20,
                "bandwidth_gbs": bandwidth, "bandwidth_bound_tok_s": bandwidth * 1e9 / per_token,
@@ -189,7 +203,8 @@ def summary_lines(rows: Sequence[dict]) -> list[str]:
     """A plain-text table of the rows, for the terminal."""
     width = max([5, *(len(r["model"]) for r in rows)])
     head = (f"{'model':{width}s} {'thr':>3s} {'prefill tok/s':>13s} {'×':>5s} {'prefill-long':>12s} {'×':>5s} "
-            f"{'decode tok/s':>12s} {'×':>5s} {'MB/token':>8s} {'bound':>6s}  ms/token load/quant/gemm/other")
+            f"{'decode tok/s':>12s} {'×':>5s} {'batch tok/s':>11s} {'MB/token':>8s} {'bound':>6s}  "
+            "ms/token load/quant/gemm/other")
     lines = [head, "-" * len(head)]
     for r in rows:
         ms = r.get("latency_ms_per_token")
@@ -197,7 +212,8 @@ def summary_lines(rows: Sequence[dict]) -> list[str]:
         lines.append(f"{r['model']:{width}s} {r['threads']:3d} {r['prefill_tok_s']:13.1f} "
                      f"{r.get('prefill_speedup', float('nan')):5.2f} {r['prefill_long_tok_s']:12.1f} "
                      f"{r.get('prefill_long_speedup', float('nan')):5.2f} {r['decode_tok_s']:12.1f} "
-                     f"{r.get('decode_speedup', float('nan')):5.2f} {r['weight_bytes_per_token'] / 1e6:8.1f} "
+                     f"{r.get('decode_speedup', float('nan')):5.2f} {r.get('batch_tok_s', float('nan')):11.1f} "
+                     f"{r['weight_bytes_per_token'] / 1e6:8.1f} "
                      f"{r['bandwidth_bound_tok_s']:6.0f}  {parts}")
     return lines
 

@@ -10,6 +10,7 @@ columns of the paper's Table 5 are absent rather than zero-filled.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -17,7 +18,9 @@ from torch import nn
 
 from llmeasyquant.kernels.scopes import LAYER_SCOPE, LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS
 from llmeasyquant.models.arch import arch_for
-from llmeasyquant.runtime.decoder import LeanDecoder
+from llmeasyquant.runtime.batch import BatchDecoder
+from llmeasyquant.runtime.decoder import LeanDecoder, sequence_pool
+from llmeasyquant.runtime.model_parts import DecoderParts
 
 GEMM_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm", "aten::_weight_int8pack_mm",
@@ -112,6 +115,30 @@ def prefill_speed(model: nn.Module, prompt: torch.Tensor, runtime: str = "transf
     start = time.perf_counter()
     run.prefill(prompt)
     return prompt.shape[1] / (time.perf_counter() - start)
+
+
+@torch.no_grad()
+def batch_step_speed(model: nn.Module, prompt: torch.Tensor, batch: int = 16, steps: int = 8) -> float:
+    """Output tokens per second of decode steps of `batch` sequences together on the engine's forward (the step a
+    server runs for `batch` clients), each sequence after a prefill of `prompt` [1, P], the KV cache in fp16 as
+    `serve` keeps it; the median of `steps` timed steps after one untimed (kernels for the row count are chosen
+    then)."""
+    length = prompt.shape[1]
+    max_tokens = length + steps + 1
+    parts = DecoderParts(model, max_tokens)
+    pool = sequence_pool(parts, batch, max_tokens, "float16")
+    decoder = BatchDecoder(parts, pool)
+    slots = [pool.allocate(max_tokens) for _ in range(batch)]
+    last = torch.tensor([length - 1])
+    tokens = torch.stack([decoder.forward(prompt[0], pool.rows([slot] * length, range(length)), last)[0].argmax()
+                          for slot in slots])
+    times = []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        logits = decoder.forward(tokens, pool.rows(slots, [length + step] * batch), torch.arange(batch))
+        tokens = logits.argmax(-1)
+        times.append(time.perf_counter() - start)
+    return batch / statistics.median(times[1:])
 
 
 def latency_breakdown(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 16,

@@ -18,6 +18,15 @@ from llmeasyquant.runtime.kv_pool import FLOAT_DTYPES, FloatPool, Shape
 from llmeasyquant.runtime.model_parts import DecoderParts
 
 
+def sequence_pool(parts: DecoderParts, sequences: int, max_tokens: int, kv_dtype: str = "float32") -> FloatPool:
+    """A float KV pool that holds exactly `sequences` sequences of `max_tokens` positions."""
+    if kv_dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(FLOAT_DTYPES)}")
+    shape = Shape(len(parts.blocks), parts.kv_heads, parts.head_dim, parts.heads)
+    blocks = sequences * math.ceil(max_tokens / FloatPool.block_size)
+    return FloatPool(shape, blocks * FloatPool.bytes_per_block(shape, kv_dtype), sequences, max_tokens, kv_dtype)
+
+
 class LeanDecoder:
     """Greedy generation of one sequence of at most `max_tokens` positions.
 
@@ -32,11 +41,7 @@ class LeanDecoder:
         if parts.dtype != torch.float32:
             raise ConfigError(f"the decoder runs fp32 models (the serving engine's forward); this one is "
                               f"{parts.dtype}: load it in float32")
-        shape = Shape(len(parts.blocks), parts.kv_heads, parts.head_dim, parts.heads)
-        if kv_dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(FLOAT_DTYPES)}")
-        blocks = math.ceil(max_tokens / FloatPool.block_size)
-        self.pool = FloatPool(shape, blocks * FloatPool.bytes_per_block(shape, kv_dtype), 1, max_tokens, kv_dtype)
+        self.pool = sequence_pool(parts, 1, max_tokens, kv_dtype)
         self.slot = self.pool.allocate(max_tokens)
         self.batch = BatchDecoder(parts, self.pool, native=native_blocks)
         self.parts, self.blocks, self.fused_ops = parts, parts.blocks, parts.fused_ops

@@ -1,11 +1,11 @@
-"""Decode speed with each block of a step as one native call (runtime/native_block.py, what the lean loop does
-where a block's linears all take W4A16's digits kernel) against the same blocks on the Python loop, in one process.
+"""Decode speed of the engine's forward with its blocks in one native call (runtime/native_step.py) against the same
+blocks on the Python forward of runtime/batch.py, in one process.
 
-    python benchmarks/native_block.py CHECKPOINT [CHECKPOINT ...] [--rounds 6] [--threads 2] [--prompt-tokens 32]
-        [--new-tokens 16] [--out benchmarks/results/native_block.json]
+    python benchmarks/native_step.py CHECKPOINT [CHECKPOINT ...] [--rounds 6] [--threads 2] [--prompt-tokens 32]
+        [--new-tokens 16] [--out benchmarks/results/native_step.json]
 
 Per checkpoint: load it (export/checkpoint.load), fuse q/k/v and gate/up, move the weights onto 2 MiB pages (as
-`bench` and scale_speed.py do), build one lean decoder, check that the two ways give the same logits bit for bit over
+`bench` and scale_speed.py do), build one decoder (the engine's forward for one sequence), check that the two ways give the same logits bit for bit over
 `--new-tokens` forced steps, then `--rounds` rounds, each timing both ways in a shuffled order (a prefill of a
 `--prompt-tokens` prompt of seeded random ids, then `--new-tokens` greedy steps; tokens/s over the steps). Medians
 over rounds, and how many rounds each side won: the host is shared and noisy, so the two are compared within each
@@ -31,7 +31,7 @@ from same_process_ab import parse, parser, run_each, timed_rounds
 def steps(decoder: LeanDecoder, native: bool, prompt: torch.Tensor, new_tokens: int,
           forced: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
     """Seconds of `new_tokens` steps after a prefill of `prompt`, and their logits; greedy unless `forced`."""
-    decoder.native_blocks = native
+    decoder.batch.native = native
     decoder.reset()
     token = decoder.prefill(prompt).argmax()
     found = []
@@ -55,9 +55,9 @@ def measure(checkpoint: Path, args: argparse.Namespace) -> dict:
                            generator=torch.Generator().manual_seed(args.seed + 1))
     if not torch.equal(steps(decoder, True, prompt, args.new_tokens, forced)[1],
                        steps(decoder, False, prompt, args.new_tokens, forced)[1]):
-        raise SystemExit("the native blocks and the Python loop give different logits")
-    decoder.native_blocks = True
-    qualifying = sum(arguments is not None for arguments in decoder.step_blocks())
+        raise SystemExit("the native step and the Python forward give different logits")
+    decoder.batch.native = True
+    qualifying = decoder.batch.native_step(1).native_blocks
     sides = {side: (lambda native=side == "native": args.new_tokens / steps(decoder, native, prompt,
                                                                             args.new_tokens)[0])
              for side in ("native", "python")}
@@ -67,13 +67,13 @@ def measure(checkpoint: Path, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(parser(__doc__, "benchmarks/results/native_block.json"), argv)
-    protocol = {"runtime": "lean (fused operators), q/k/v and gate/up fused, weights on 2 MiB pages, kernels "
-                           "measured",
-                "compared": "one decoder, each block of a step as one native call or on the Python loop; both "
-                            "timed in every round, in a shuffled order"}
-    return run_each(args, "native_block.py", "native_block", protocol, measure,
-                    lambda row: f"native blocks {row['tok_s_native']:.2f} tok/s, Python loop "
+    args = parse(parser(__doc__, "benchmarks/results/native_step.json"), argv)
+    protocol = {"runtime": "the engine's forward for one sequence (fp32 KV pool), q/k/v and gate/up fused, weights "
+                           "on 2 MiB pages, kernels measured",
+                "compared": "one decoder, its blocks in one native call or on the Python forward; both timed in "
+                            "every round, in a shuffled order"}
+    return run_each(args, "native_step.py", "native_step", protocol, measure,
+                    lambda row: f"native step {row['tok_s_native']:.2f} tok/s, Python forward "
                                 f"{row['tok_s_python']:.2f} ({row['speedup']:.3f}x; {row['native_blocks']} of "
                                 f"{row['blocks']} blocks native)")
 
