@@ -133,7 +133,8 @@ def test_the_fastest_kernel_wins_at_every_row_count():
 
     def chosen(rows: int) -> str:
         choice.forget_choices()
-        return choice.choose(target, [Kernel("b"), Kernel("a")], rows, lambda layer_, kernel, x: times[kernel.name]).name
+        kernels = [Kernel("b"), Kernel("a")]
+        return choice.choose(target, kernels, rows, lambda layer_, kernel, x: times[kernel.name]).name
 
     assert not hasattr(choice, "ONE_CALL_CREDIT")
     assert chosen(1) == chosen(16) == chosen(512) == "a"

@@ -118,7 +118,7 @@ def rows_of_two_sequences(pool, steps: int) -> list[tuple[list[int], list[int], 
     plan = [(ids[:12], [first] * 12, list(range(12)))]
     for step in range(steps):
         chunk = list(range(12 + 4 * step, 16 + 4 * step))
-        plan.append(([ids[p] for p in chunk] + [ids[step]], [first] * 4 + [second], chunk + [step]))
+        plan.append(([*[ids[p] for p in chunk], ids[step]], [first] * 4 + [second], [*chunk, step]))
     return plan
 
 

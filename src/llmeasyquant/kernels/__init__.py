@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+
 from llmeasyquant.errors import ConfigError
 from llmeasyquant.kernels import choice
 from llmeasyquant.kernels.cpu import (
@@ -38,7 +39,8 @@ KERNELS_BY_DEVICE: dict[str, list[Kernel]] = {
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }
-ALL_KERNELS: dict[str, Kernel] = {k.name: k for kernels in KERNELS_BY_DEVICE.values() for k in kernels} | {REFERENCE.name: REFERENCE}
+ALL_KERNELS: dict[str, Kernel] = ({k.name: k for kernels in KERNELS_BY_DEVICE.values() for k in kernels}
+                                  | {REFERENCE.name: REFERENCE})
 
 
 def candidates(layer: KernelLayer) -> list[Kernel]:
