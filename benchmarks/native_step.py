@@ -4,12 +4,13 @@ blocks on the Python forward of runtime/batch.py, in one process.
     python benchmarks/native_step.py CHECKPOINT [CHECKPOINT ...] [--rounds 6] [--threads 2] [--prompt-tokens 32]
         [--new-tokens 16] [--out benchmarks/results/native_step.json]
 
-Per checkpoint: load it (export/checkpoint.load), fuse q/k/v and gate/up, move the weights onto 2 MiB pages (as
-`bench` and scale_speed.py do), build one decoder (the engine's forward for one sequence), check that the two ways
-give the same logits bit for bit over `--new-tokens` forced steps, then `--rounds` rounds, each timing both ways in a shuffled order (a prefill of a
-`--prompt-tokens` prompt of seeded random ids, then `--new-tokens` greedy steps; tokens/s over the steps). Medians
-over rounds, and how many rounds each side won: the host is shared and noisy, so the two are compared within each
-round. The kernels are the registry's measured choice (as in `bench`); the record says how many blocks qualified.
+Per checkpoint: load it (export/checkpoint.load), fuse q/k/v and gate/up, move the weights onto 2 MiB pages (as `bench`
+and scale_speed.py do), build one decoder (the engine's forward for one sequence), check that the two ways give the same
+logits bit for bit over `--new-tokens` forced steps, then `--rounds` rounds, each timing both ways in a shuffled order
+(a prefill of a `--prompt-tokens` prompt of seeded random ids, then `--new-tokens` greedy steps; tokens/s over the
+steps). Medians over rounds, and how many rounds each side won: the host is shared and noisy, so the two are compared
+within each round. The kernels are the registry's measured choice (as in `bench`); the record says how many blocks
+qualified.
 """
 
 from __future__ import annotations
