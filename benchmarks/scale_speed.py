@@ -105,7 +105,19 @@ def machine() -> dict:
     total = None
     if Path("/proc/meminfo").is_file():
         total = int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 1e9
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_total_gb": total}
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_total_gb": total, "isa": isa()}
+
+
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
+             "amx_int8", "amx_tile")
+
+
+def isa() -> list[str]:
+    """The instruction sets among ISA_FLAGS that this CPU reports (/proc/cpuinfo's flags)."""
+    path = Path("/proc/cpuinfo")
+    text = path.read_text() if path.is_file() else ""
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [flag for flag in ISA_FLAGS if flag in flags]
 
 
 def run_child(command: list[str], log: Path, timeout: float) -> dict:
@@ -268,10 +280,12 @@ def decode_speed(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> flo
     return (new_tokens - 1) / timed_greedy(model, prompt, new_tokens, "lean")[1]
 
 
-def llama_bench(binary: Path, gguf: Path, new_tokens: int, threads: int, timeout: float) -> dict:
-    """One `llama-bench -p 0 -n NEW -r 1` run (it warms up first); its tokens/s, or why there is none."""
-    command = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads), "-r", "1",
-               "-o", "json"]
+def llama_bench(binary: Path, gguf: Path, new_tokens: int, threads: int, timeout: float,
+                prompt_tokens: int = 0) -> dict:
+    """One `llama-bench -p PROMPT -n NEW -r 1` run (it warms up first; -p 0 times decode, -n 0 a prompt's prefill);
+    its tokens/s, or why there is none."""
+    command = [str(binary), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(new_tokens), "-t", str(threads),
+               "-r", "1", "-o", "json"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -3,6 +3,15 @@ llama.cpp's `llama-server` on the same machine, and transformers' `generate` one
 
     python benchmarks/serving.py [--clients 1,4,16,64] [--rows fp32,w8a16,w8a8,w4a16] [--kv float,4]
         [--llama-server PATH] [--work DIR] [--out benchmarks/results/serving.json]
+    python benchmarks/serving.py --pairs w8a8,w4a16-g32 --rounds 3 --llama-server PATH [--clients 1,4,16,64]
+        [--work DIR] [--out benchmarks/results/serving_pairs.json]
+
+With --pairs, matched bits against llama-server in interleaved rounds (PAIRS): ours W8A8 with the LM head W8A8
+against Q8_0 (our lossless export of RTN W8A16 g32 with its head: 8.5 bits against our 8.0 and a scale a row), and
+ours W4A16 g32 with the head W4A16 g32 against that same checkpoint exported to Q4_0 (the same weights and bytes).
+Each round runs every server in a shuffled order; ours serves every level from one start (fp16 KV cache,
+`--max-running` the largest level), llama-server restarts for each level with `-np` equal to its clients and
+`-cb`. Medians over the rounds per server and level.
 
 Protocol: SmolLM2-135M-Instruct (the bundled model). Prompts are 128-token windows cut one after another from
 WikiText-2 raw test (shipped), sent as token ids to /v1/completions with `stream: true`, 128 greedy tokens each
@@ -21,8 +30,10 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +44,7 @@ import httpx
 from llmeasyquant.models.load import bundled_gguf
 from llmeasyquant.record import Record, write_records
 from llmeasyquant.report.tables import markdown_table
+from scale_speed import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = NEW_TOKENS = 128
@@ -42,6 +54,9 @@ SCHEMES = {  # row -> quantize options (RTN), None for the unquantized model
     "w8a8": ["--bits", "8", "--act-bits", "8"],
     "w4a16": ["--bits", "4", "--group-size", "64", "--asym"],
 }
+# pair: (our quantize options, our LM head, the llama.cpp type served beside it)
+PAIRS = {"w8a8": (["--bits", "8", "--act-bits", "8"], "w8a8", "Q8_0"),
+         "w4a16-g32": (["--bits", "4", "--group-size", "32"], "w4a16-g32", "Q4_0")}
 COLUMNS = (("server", "server", ""), ("clients", "clients", "d"), ("out tok/s", "output_tok_s", ".1f"),
            ("req/s", "requests_s", ".2f"), ("TTFT p50 ms", "ttft_p50_ms", ".0f"),
            ("TTFT p99 ms", "ttft_p99_ms", ".0f"), ("ITL p50 ms", "itl_p50_ms", ".1f"),
@@ -68,6 +83,17 @@ def q8_0_export(work: Path) -> Path:
     if not out.exists():
         ckpt = quantized(work, "w8a16-g32", ["--bits", "8", "--group-size", "32"], head="w8a16-g32")
         subprocess.run([sys.executable, "-m", "llmeasyquant.cli", "--quiet", "export", str(ckpt), "--to", "gguf",
+                        "--out", str(out), "--no-check"], check=True)
+    return out
+
+
+def pair_gguf(work: Path, pair: str, checkpoint: Path) -> Path:
+    """The GGUF llama-server runs beside `pair`: Q8_0 of RTN W8A16 g32, or our own W4A16 g32 checkpoint as Q4_0."""
+    if PAIRS[pair][2] == "Q8_0":
+        return q8_0_export(work)
+    out = work / f"{checkpoint.name}.gguf"
+    if not out.exists():
+        subprocess.run([sys.executable, "-m", "llmeasyquant.cli", "--quiet", "export", str(checkpoint), "--to", "gguf",
                         "--out", str(out), "--no-check"], check=True)
     return out
 
@@ -183,6 +209,47 @@ def measure(name: str, command: list[str], port: int, model: str, levels: list[i
     return rows
 
 
+def llama_command(binary: str, gguf: Path, port: int, slots: int) -> list[str]:
+    return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2", "-np",
+            str(slots), "-c", str(slots * (PROMPT_TOKENS + NEW_TOKENS)), "-cb", "--no-webui"]
+
+
+def paired_rounds(args: argparse.Namespace, levels: list[int], texts: list[list[int]]) -> list[dict]:
+    """Rows of every round (see the module's docstring, --pairs), then one median row per server and level."""
+    ours = [sys.executable, "-m", "llmeasyquant.cli", "--quiet", "--threads", "2", "serve"]
+    servers = []
+    for pair in args.pairs.split(","):
+        options, head, qtype = PAIRS[pair]
+        checkpoint = quantized(args.work, pair, options, head=head)
+        servers += [(f"ours {pair} + head {head}", pair, checkpoint), (f"llama-server {qtype}", pair,
+                                                                        pair_gguf(args.work, pair, checkpoint))]
+    order = random.Random(0)
+    rounds: list[dict] = []
+    for index in range(args.rounds):
+        for name, pair, target in order.sample(servers, len(servers)):
+            if name.startswith("ours"):
+                port = free_port()
+                command = [*ours, str(target), "--port", str(port), "--kv-memory", str(args.kv_memory),
+                           "--max-running", str(max(levels)), "--served-model-name", "m"]
+                found = measure(name, command, port, "m", levels, texts)
+            else:
+                found = []
+                for clients in levels:
+                    port = free_port()
+                    found += measure(name, llama_command(args.llama_server, target, port, clients), port, "m",
+                                     [clients], texts)
+            rounds += [row | {"round": index, "pair": pair} for row in found]
+    medians = []
+    for name, pair, _ in servers:
+        for clients in levels:
+            runs = [r for r in rounds if r["server"] == name and r["clients"] == clients]
+            row = {key: statistics.median(r[key] for r in runs) for key in runs[0]
+                   if isinstance(runs[0][key], float)}
+            medians.append(row | {"server": name, "pair": pair, "clients": clients, "median_of": len(runs),
+                                  "output_tok_s_runs": [r["output_tok_s"] for r in runs]})
+    return medians
+
+
 def transformers_row(texts: list[list[int]], requests: int) -> dict:
     """transformers' generate, one request at a time (batch 1), 2 threads, greedy 128 tokens."""
     import torch
@@ -234,12 +301,28 @@ def main() -> int:
     parser.add_argument("--prefill-chunk", type=int, help="our server's --prefill-chunk (default: its own)")
     parser.add_argument("--llama-server", help="path of llama.cpp's llama-server binary (omit: no peer rows)")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--pairs", help=f"matched pairs against llama-server, interleaved rounds: {', '.join(PAIRS)}")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --pairs (medians reported)")
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "serving", help="checkpoints are made here")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/serving.json")
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
     texts = prompts(64)
+    if args.pairs:
+        if not args.llama_server or any(pair not in PAIRS for pair in args.pairs.split(",")) or args.rounds < 1:
+            parser.error(f"--pairs takes {', '.join(PAIRS)}, with --llama-server and --rounds >= 1")
+        rows = paired_rounds(args, levels, texts)
+        print(markdown_table(rows, COLUMNS))
+        protocol = {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True,
+                    "requests_per_level": "max(clients, 4)", "threads": 2, "text": "WikiText-2 raw test (shipped)",
+                    "kv_cache": "float16", "kv_memory_mb": args.kv_memory, "rounds": args.rounds,
+                    "llama_server": "-np CLIENTS -cb, restarted for each level", "machine": machine()}
+        command = " ".join(["python", "benchmarks/serving.py", *(Path(a).name if a.startswith("/") else a
+                                                                   for a in sys.argv[1:])])
+        write_records(args.out, [Record.new("serving", row["server"], row, protocol, command) for row in rows])
+        print(f"wrote {args.out}")
+        return 0
     ours = [sys.executable, "-m", "llmeasyquant.cli", "--quiet", "--threads", "2", "serve"]
     rows: list[dict] = []
     for name in args.rows.split(","):
