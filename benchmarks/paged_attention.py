@@ -29,7 +29,7 @@ COLUMNS = (("threads", "threads", "d"), ("reads", "reads", ""), ("pool", "pool",
 
 
 def quant_pool(blocks: int, sequences: int, bits: int = 4) -> list[torch.Tensor]:
-    """Random tensors in the layout of kernels/paged_reference.py's QUANT_POOL."""
+    """Random tensors in the layout of runtime/paged_reference.py's QUANT_POOL."""
     packed = DIM // 8 * bits
     u8 = torch.uint8
     return [torch.randint(0, 256, (blocks, KV_HEADS, BLOCK, packed), dtype=u8),

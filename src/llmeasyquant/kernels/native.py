@@ -7,7 +7,7 @@ rows on AMX's int8 tiles where the CPU has them; native/w4a8_tiles.h is the weig
 native/native_step.cpp (the engine's step over a model's blocks in one call, chaining the operators above and
 the paged ones below; native/step_kinds.h: the ways a linear runs in it, shared with Python as STEP_KINDS),
 native/paged_ops.cpp (the serving engine's paged KV pool, float and SimQuant coded: stores and attention;
-kernels/paged_reference.py is their PyTorch oracle),
+runtime/paged_reference.py is their PyTorch oracle),
 native/memory_probe.cpp (the streaming read that eval/bench.py's read bandwidth takes), native/exact_sum_ops.cpp
 (the cut-and-add of the exact sums behind GPTQ's Hessians), native/gptq_ops.cpp (GPTQ's column loop),
 native/bindings.cpp (the module's one registration block, every name Python calls), native/operators.h (every

@@ -38,7 +38,7 @@ def paged_ops():
     ops = native.ops()
     if ops is not None and hasattr(ops, "paged_attention"):
         return ops
-    from llmeasyquant.kernels import paged_reference
+    from llmeasyquant.runtime import paged_reference
 
     return paged_reference
 

@@ -1,4 +1,4 @@
-"""The paged KV-pool operators (native/paged_ops.cpp) against their PyTorch oracle (kernels/paged_reference.py):
+"""The paged KV-pool operators (native/paged_ops.cpp) against their PyTorch oracle (runtime/paged_reference.py):
 float and SimQuant-coded pools, steps mixing decode rows of several sequences with a prefill chunk, and the coded
 pool's attention against plain attention over what it decodes."""
 
@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from llmeasyquant.kernels import paged_reference as ref
 from llmeasyquant.nn.kv.key_blocks import KeyBlocks
 from llmeasyquant.primitives import unpack_bits
+from llmeasyquant.runtime import paged_reference as ref
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler on this machine: the paged operators cannot be built (the engine runs "
-                "kernels/paged_reference.py)", allow_module_level=True)
+                "runtime/paged_reference.py)", allow_module_level=True)
 
 
 def rope_table(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
