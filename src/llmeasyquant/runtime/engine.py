@@ -25,6 +25,7 @@ none.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -36,6 +37,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +49,7 @@ from llmeasyquant.runtime.batch import BatchDecoder
 from llmeasyquant.runtime.detokenize import Detokenizer, text_starts
 from llmeasyquant.runtime.kv_pool import MIB, FloatPool, KVPool, QuantPool, Shape
 from llmeasyquant.runtime.model_parts import DecoderParts
+from llmeasyquant.runtime.model_thread import ModelThread
 from llmeasyquant.runtime.requests import (
     MAX_CHOICES,
     SEED_RANGE,
@@ -179,7 +182,8 @@ class _Sequence:
 class Engine:
     """Continuous batching over one model (see the module docstring). `submit` is thread-safe."""
 
-    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None, name: str = "model") -> None:
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None, name: str = "model",
+                 runner: ModelThread | None = None) -> None:
         config = config or EngineConfig()
         if tokenizer is None:
             raise ConfigError("serving needs the model's tokenizer; this model or checkpoint has none")
@@ -200,7 +204,10 @@ class Engine:
         self._running: list[_Sequence] = []
         self._accepting = True
         self._deadline: float | None = None  # set by shutdown: running requests end by then
-        self._thread: threading.Thread | None = None
+        # The thread the loop runs on: the one the model was loaded on where Engine.load made it
+        # (runtime/model_thread.py: one OpenMP team in the process), else one of the engine's own.
+        self._runner = runner
+        self._looping: Future | None = None
         self._steps = 0
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -235,16 +242,25 @@ class Engine:
 
     @classmethod
     def load(cls, spec: str, config: EngineConfig | None = None, name: str | None = None) -> Engine:
-        """An engine over a checkpoint folder or a model spec (such as smollm2-135m)."""
+        """An engine over a checkpoint folder or a model spec (such as smollm2-135m), loaded on the thread its loop
+        will run on (runtime/model_thread.py says why)."""
         from llmeasyquant.export.checkpoint import is_checkpoint, load
         from llmeasyquant.models.load import load_model
         from llmeasyquant.nn.fused import fuse_shared_inputs
         from llmeasyquant.nn.placement import place_on_huge_pages
 
-        model, tokenizer = load(spec) if is_checkpoint(spec) else load_model(spec)
-        fuse_shared_inputs(model)  # q/k/v and gate/up as one GEMM each: the same results, fewer calls
-        place_on_huge_pages(model)  # each decode step streams the weights: fewer TLB misses on 2 MiB pages
-        return cls(model, tokenizer, config, name or (Path(spec).name if is_checkpoint(spec) else str(spec)))
+        threads = torch.get_num_threads()
+
+        def build() -> Engine:
+            torch.set_num_threads(threads)  # the caller's setting (OpenMP keeps it per thread)
+            model, tokenizer = load(spec) if is_checkpoint(spec) else load_model(spec)
+            fuse_shared_inputs(model)  # q/k/v and gate/up as one GEMM each: the same results, fewer calls
+            place_on_huge_pages(model)  # each decode step streams the weights: fewer TLB misses on 2 MiB pages
+            return cls(model, tokenizer, config, name or (Path(spec).name if is_checkpoint(spec) else str(spec)),
+                       runner)
+
+        runner = ModelThread()
+        return runner.call(build)
 
     # requests ----------------------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -417,13 +433,13 @@ class Engine:
     # the loop ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
-            if self._thread is None:
+            if self._looping is None:
                 # What exists now (the model's modules and parameters, the pool's tensors, the interpreter's own
                 # objects) lives as long as the engine: frozen, it is no longer scanned by the collections that
                 # each step's short-lived objects trigger (they took 15-20% of a decode step); shutdown unfreezes.
                 gc.freeze()
-                self._thread = threading.Thread(target=self._loop, name="llmeasyquant-engine", daemon=True)
-                self._thread.start()
+                self._runner = self._runner or ModelThread()
+                self._looping = self._runner.submit(self._loop)
 
     def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop accepting; waiting requests end now, running ones by `grace_s` seconds from now."""
@@ -433,9 +449,10 @@ class Engine:
             while self._waiting:
                 self._end(self._waiting.popleft(), "shutdown")
             self._lock.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout=grace_s + 30.0)
+            looping = self._looping
+        if looping is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                looping.result(timeout=grace_s + 30.0)
             gc.unfreeze()  # what start froze can be collected again once it is garbage (a process of many engines)
 
     def _loop(self) -> None:
