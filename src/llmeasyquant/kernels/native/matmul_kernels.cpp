@@ -27,12 +27,34 @@ namespace {
 constexpr int64_t kInt8Streams = 4;
 constexpr int64_t kCacheLine = 64;
 
+// The threads split the first seven eighths of a layer's output channels evenly; the last eighth goes in chunks of
+// 64 channels (four streams of 16) to whichever thread is free, so that a thread the host slows down does not keep
+// the other waiting at the end (up to 150 us of 2.7 ms per call measured between two threads' shares of a 28672 x
+// 4096 W4A16 layer). Scratch timing of the digits kernel, two runs: +4-5% at 4096 x 14336, +4-8% at 6144 x 4096, -1
+// to +9% at 28672 x 4096; a quarter in chunks of 128, or a sixteenth in chunks of 32, no better. At least 32
+// channels a thread.
+constexpr int64_t kTailShare = 8, kTailChannels = 64, kThreadChannels = 32;
+
+// Calls body(begin, end) over ranges of output channels that cover [0, out) once, split over the threads (or the
+// team) as above.
+template <typename Body>
+void for_channel_ranges(int64_t out, const Body& body) {
+  const int64_t threads = std::clamp<int64_t>(out / kThreadChannels, 1, split_threads());
+  const int64_t even = out - out / kTailShare;
+  const int64_t chunks = (out - even + kTailChannels - 1) / kTailChannels;
+  for_workers(threads, [&](int64_t t, const auto& next_chunk) {
+    body(even * t / threads, even * (t + 1) / threads);
+    for (int64_t k = next_chunk(); k < chunks; k = next_chunk())
+      body(even + k * kTailChannels, std::min(out, even + (k + 1) * kTailChannels));
+  });
+}
+
 // Calls body(o, stride, streams) over the output channels [0, out), split over the threads (or the team): streams
 // is std::integral_constant<int, kInt8Streams> for channels o + s * stride (s < kInt8Streams), or <int, 1> for o
-// alone (a thread's last few channels).
+// alone (a range's last few channels).
 template <typename Body>
 void for_channel_streams(int64_t out, const Body& body) {
-  parallel_range(0, out, 64, [&](int64_t begin, int64_t end) {
+  for_channel_ranges(out, [&](int64_t begin, int64_t end) {
     const int64_t span = (end - begin) / kInt8Streams;
     for (int64_t i = 0; i < span; ++i) body(begin + i, span, std::integral_constant<int, kInt8Streams>());
     for (int64_t o = begin + kInt8Streams * span; o < end; ++o) body(o, 0, std::integral_constant<int, 1>());
@@ -990,12 +1012,6 @@ struct DigitActivations {
 // 32 lines ahead alike.
 constexpr int64_t kDigitStreams = 4;
 constexpr int64_t kDigitLinesAhead = 16;
-// The threads split the first seven eighths of the channels evenly; the last eighth goes in chunks of 64 channels
-// (four streams of 16) to whichever thread is free, so that a thread the host slows down does not keep the other
-// waiting at the end (up to 150 us of 2.7 ms per call measured between two threads' shares of a 28672 x 4096
-// layer). Scratch timing as above, two runs: +4-5% at 4096 x 14336, +4-8% at 6144 x 4096, -1 to +9% at 28672 x
-// 4096; a quarter in chunks of 128, or a sixteenth in chunks of 32, no better. At least 32 channels a thread.
-constexpr int64_t kDigitTailShare = 8, kDigitTailChannels = 64, kDigitThreadChannels = 32;
 // A channel's scales are a short run of their own (64 bytes a channel at 4096 columns, fp16), read once a block: a
 // stream of rows that the codes' prefetch does not cover. Each stream's scales kDigitScaleRowsAhead channels on are
 // prefetched as a channel starts, and where one scale covers each block (OneGroup) the channel's scales are widened
@@ -1182,14 +1198,7 @@ void digits_matmul(const float* x, int64_t rows, int64_t width, const at::Tensor
 #endif
     }
   };
-  const int64_t threads = std::clamp<int64_t>(w.out / kDigitThreadChannels, 1, split_threads());
-  const int64_t even = w.out - w.out / kDigitTailShare;
-  const int64_t chunks = (w.out - even + kDigitTailChannels - 1) / kDigitTailChannels;
-  for_workers(threads, [&](int64_t t, const auto& next_chunk) {
-    channels(even * t / threads, even * (t + 1) / threads);
-    for (int64_t k = next_chunk(); k < chunks; k = next_chunk())
-      channels(even + k * kDigitTailChannels, std::min(w.out, even + (k + 1) * kDigitTailChannels));
-  });
+  for_channel_ranges(w.out, channels);
 }
 
 }  // namespace

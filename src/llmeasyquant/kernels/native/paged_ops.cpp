@@ -110,11 +110,14 @@ void half_row_to_float(const at::Half* src, int64_t n, float* dst) {
 }
 
 // Asks for the cache lines of [p, p + bytes): a unit's blocks lie anywhere in the pool, so the hardware prefetcher
-// cannot see the next one coming; asked for one unit ahead, they arrive while the current unit is computed.
+// cannot see the next one coming; asked for ahead, they arrive while the current unit is computed.
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
+
+// Float pool blocks a task asks for ahead of the one it computes.
+constexpr int64_t kPrefetchBlocks = 4;
 
 template <typename T>
 void store_row(const float* src, int64_t n, T* dst) {
@@ -769,8 +772,10 @@ Plan make_plan(std::vector<Tile> tiles, int64_t kv_heads, int64_t group, int64_t
     plan.cost += tile_units[t] * plan.tiles[t].rows * kv_heads;
   }
   const int64_t threads = plan.threads = at::get_num_threads();
-  // Pieces of at least 256 positions, and some 4 tasks a thread where the pairs alone are too few.
-  const int64_t min_units = std::max<int64_t>(1, 256 / positions_per_unit);
+  // Pieces of at least 64 positions, and some 4 tasks a thread where the pairs alone are too few: a decode row of a
+  // few hundred positions still splits its kv heads over the threads (at 129 positions of SmolLM2's 3 kv heads, 6
+  // tasks for 2 threads where 3 kept one thread on two of them).
+  const int64_t min_units = std::max<int64_t>(1, 64 / positions_per_unit);
   const int64_t target = threads > 1 ? std::max<int64_t>(1, plan.cost / (4 * threads)) : plan.cost + 1;
   plan.pair_partial.assign(plan.tiles.size() * kv_heads, -1);
   plan.tile_pieces.assign(plan.tiles.size(), 1);
@@ -801,8 +806,11 @@ template <typename T, typename Run>
 void run_plan(const Plan& plan, int64_t heads, float* out, float* partials, const Run& run) {
   const int64_t kv_heads = plan.kv_heads, group = plan.group, dim = plan.dim;
   const int64_t tasks = static_cast<int64_t>(plan.tasks.size());
+  // Small calls on one thread, as opening a parallel region costs more than they do; a team's threads are there
+  // already, and which thread runs a task changes nothing in its result.
   const int64_t work = plan.cost * group * dim;
-  const int64_t workers = work >= 32768 ? std::min<int64_t>(plan.threads, tasks) : 1;
+  const bool shared = work >= 32768 || llmeasyquant::team::current != nullptr;
+  const int64_t workers = shared ? std::min<int64_t>(plan.threads, tasks) : 1;
   for_workers(workers, [&](int64_t, const auto& next) {
     thread_local std::vector<TileState<T>> states;  // kept: a step's layers reuse their buffers
     states.resize(kv_heads);
@@ -1263,15 +1271,22 @@ void paged_attention_into(const AttentionPlan& step_plan, const float* q, int64_
         TileState<T>& state = states[task.g_begin];
         state.start(tile, task.g_begin, q, heads, group, dim, s, length, batch_positions(block));
         thread_local std::vector<float> buffer;  // fp16 keys as fp32 rows for the plain loops (V = 0)
+        const auto base_of = [&](int64_t b) {
+          return ((table[tile.seq * max_blocks + b] * kv_heads + task.g_begin) * block) * dim;
+        };
+        // The blocks kPrefetchBlocks on are asked for as a block is computed, and the first ones at the start: a
+        // decode step's pool comes from memory (the weights streamed through the caches since the last layer read it).
+        const auto prefetch_block = [&](int64_t b) {
+          const int64_t bytes = std::min(block, tile.length - b * block) * dim * sizeof(T);
+          prefetch(keys + base_of(b), bytes);
+          prefetch(values + base_of(b), bytes);
+        };
+        for (int64_t b = task.unit_begin; b < std::min(task.unit_end, task.unit_begin + kPrefetchBlocks); ++b)
+          prefetch_block(b);
         for (int64_t b = task.unit_begin; b < task.unit_end; ++b) {
           const int64_t first = b * block, n = std::min(block, tile.length - first);
-          const int64_t base = ((table[tile.seq * max_blocks + b] * kv_heads + task.g_begin) * block) * dim;
-          if (b + 1 < task.unit_end) {
-            const int64_t next = ((table[tile.seq * max_blocks + b + 1] * kv_heads + task.g_begin) * block) * dim;
-            const int64_t bytes = std::min(block, tile.length - first - block) * dim * sizeof(T);
-            prefetch(keys + next, bytes);
-            prefetch(values + next, bytes);
-          }
+          const int64_t base = base_of(b);
+          if (b + kPrefetchBlocks < task.unit_end) prefetch_block(b + kPrefetchBlocks);
           if (state.full(n)) state.template flush<V>();
           if constexpr (V > 0) {
             state.template add<V>(RowKeys<V, T>{keys + base}, values + base, first, n);
