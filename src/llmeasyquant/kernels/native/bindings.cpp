@@ -47,7 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_block", &StepProgram::add_block)
       .def("add_linear", &StepProgram::add_linear)
       .def("run", &StepProgram::run)
-      .def("blocks", &StepProgram::blocks);
+      .def("blocks", &StepProgram::blocks)
+      .def("team_covers", &StepProgram::team_covers)
+      .def("set_team", &StepProgram::set_team);
   // The kinds of step_kinds.h by name, for the kernels' step_call (their one definition is that header).
   py::dict kinds;
 #define LLMEASYQUANT_STEP_KIND_ENTRY(name, text) kinds[text] = static_cast<int64_t>(name);

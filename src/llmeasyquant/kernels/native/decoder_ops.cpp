@@ -10,6 +10,7 @@
 // The W8A8 GEMM stays PyTorch's integer operator; this file quantizes its input rows and scales its output.
 
 #include "common.h"
+#include "row_ops.h"
 
 #include <cmath>
 #include <limits>
@@ -26,26 +27,7 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 
 namespace {
 
-// ==== row helpers: norm, dot product, weighted sums, rotary ====
-
-// y = weight * (x / sqrt(mean(x^2) + eps)) over one row of `width` values.
-void rms_norm_row(const float* x, const float* weight, float eps, int64_t width, float* y) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < width; ++i) sum += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) y[i] = weight[i] * (x[i] * inv);
-}
-
-float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.0f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
+// ==== weighted sums (the row helpers norm, dot product and rotary are row_ops.h's) ====
 
 // out[j, :dim] = sum_t weights[j, t] * rows[t, :dim] for j < sums, weights [sums, count], rows [count, dim].
 // Up to kRegisterVecs vectors of sums stay in registers over the whole pass, so each row is read once and no
@@ -71,16 +53,6 @@ void weighted_sums(const float* weights, int64_t sums, const float* rows, int64_
     }
   }
   for (int64_t k = 0; k < sums * vecs; ++k) acc[k].store(out + k * Vec::size());
-}
-
-// Rotary embedding of one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
-void rope_head(float* x, const float* cos, const float* sin, int64_t dim) {
-  const int64_t half = dim / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i], b = x[i + half];
-    x[i] = a * cos[i] + (-b) * sin[i];
-    x[i + half] = b * cos[i + half] + a * sin[i + half];
-  }
 }
 
 // ==== GEMM on row-major buffers (BLAS, or at::mm) ====
@@ -109,6 +81,15 @@ void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, con
 
 // ==== RMS norm ====
 
+// x: [rows, width] fp32, weight: [width] fp32 -> y: [rows, width] fp32 (the step's form: raw rows, split over the
+// team when called in one)
+void rms_norm_into(const float* x, const float* weight, double eps, int64_t rows, int64_t width, float* y) {
+  for_rows(rows, width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r)
+      norm_row(x + r * width, weight, static_cast<float>(eps), width, y + r * width);
+  });
+}
+
 // x: [..., width] fp32, weight: [width] fp32 -> y: [..., width] fp32
 // RMS norm of each row of x [..., width] with weight [width].
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
@@ -117,13 +98,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
   const int64_t width = weight.numel();
   TORCH_CHECK(x.size(-1) == width, "x has rows of ", x.size(-1), " values, the norm weight ", width);
   at::Tensor y = at::empty_like(x);
-  const float* px = x.data_ptr<float>();
-  const float* pw = weight.data_ptr<float>();
-  float* py = y.data_ptr<float>();
-  for_rows(x.numel() / width, width, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r)
-      rms_norm_row(px + r * width, pw, static_cast<float>(eps), width, py + r * width);
-  });
+  rms_norm_into(x.data_ptr<float>(), weight.data_ptr<float>(), eps, x.numel() / width, width, y.data_ptr<float>());
   return y;
 }
 
@@ -173,11 +148,12 @@ at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const 
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
           const float* weight = (h < heads ? q_norm : k_norm)->data_ptr<float>();
           const float eps = static_cast<float>(h < heads ? q_eps : k_eps);
-          rms_norm_row(qk.data() + h * dim, weight, eps, dim, qk.data() + h * dim);
+          norm_row(qk.data() + h * dim, weight, eps, dim, qk.data() + h * dim);
         }
       }
       for (int64_t h = 0; h < heads + kv_heads; ++h)
-        rope_head(qk.data() + h * dim, cos.data_ptr<float>() + r * dim, sin.data_ptr<float>() + r * dim, dim);
+        rope_row(qk.data() + h * dim, cos.data_ptr<float>() + r * dim, sin.data_ptr<float>() + r * dim, dim,
+                 qk.data() + h * dim);
       const float* v = row + (heads + kv_heads) * dim;
       for (int64_t h = 0; h < kv_heads; ++h) {
         std::copy_n(qk.data() + (heads + h) * dim, dim, pk + (h * max_tokens + pos + r) * dim);
@@ -311,6 +287,17 @@ bool use_blas(bool wanted) {
 
 // ==== SiLU x up ====
 
+// gate_up: [rows, 2 * width] fp32 -> out: [rows, width] fp32 (the step's form)
+void silu_mul_into(const float* gate_up, int64_t rows, int64_t width, float* out) {
+  for_rows(rows, 2 * width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* gate = gate_up + r * 2 * width;
+      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, out + r * width, gate,
+                    gate + width, width);
+    }
+  });
+}
+
 // gate_up: [rows, 2 * width] fp32 -> out: [rows, width] fp32
 // silu(gate) * up for gate_up [rows, 2 * width] (gate then up, as the fused gate/up GEMM gives them).
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
@@ -318,15 +305,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * width]");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, gate_up.options());
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for_rows(rows, 2 * width, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const float* gate = src + r * 2 * width;
-      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, dst + r * width, gate,
-                    gate + width, width);
-    }
-  });
+  silu_mul_into(gate_up.data_ptr<float>(), rows, width, out.data_ptr<float>());
   return out;
 }
 
@@ -348,6 +327,22 @@ void codes_of_row(const float* x, float scale, int64_t width, int8_t* codes) {
   for (; i < width; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(x[i] / scale));
 }
 
+// x: [rows, in] fp32 -> codes: [rows, in] int8, scales: [rows] fp32 (quantize_rows' step form)
+void quantize_rows_into(const float* x, int64_t rows, int64_t width, double min_scale, int64_t qmax, int8_t* codes,
+                        float* scales) {
+  for_rows(rows, width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* row = x + r * width;
+      float top = 0.0f;  // max is exact in any order, so the vectorised reduction changes nothing
+#pragma omp simd reduction(max : top)
+      for (int64_t i = 0; i < width; ++i) top = std::max(top, std::fabs(row[i]));
+      const float scale = std::max(top / static_cast<float>(qmax), static_cast<float>(min_scale));
+      scales[r] = scale;
+      codes_of_row(row, scale, width, codes + r * width);
+    }
+  });
+}
+
 // x: [rows, in] fp32, min_scale: double, qmax: 127 (int8 codes) or 7 (4-bit codes in int8)
 // -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
 // Dynamic symmetric per-row codes and scales [rows, 1] of x [rows, in], bit for bit what kernels/cpu.py's
@@ -360,20 +355,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double 
   const int64_t rows = x.size(0), width = x.size(1);
   at::Tensor codes = at::empty({rows, width}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({rows, 1}, x.options());
-  const float* px = x.data_ptr<float>();
-  int8_t* pc = codes.data_ptr<int8_t>();
-  float* ps = scales.data_ptr<float>();
-  for_rows(rows, width, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const float* row = px + r * width;
-      float top = 0.0f;  // max is exact in any order, so the vectorised reduction changes nothing
-#pragma omp simd reduction(max : top)
-      for (int64_t i = 0; i < width; ++i) top = std::max(top, std::fabs(row[i]));
-      const float scale = std::max(top / static_cast<float>(qmax), static_cast<float>(min_scale));
-      ps[r] = scale;
-      codes_of_row(row, scale, width, pc + r * width);
-    }
-  });
+  quantize_rows_into(x.data_ptr<float>(), rows, width, min_scale, qmax, codes.data_ptr<int8_t>(),
+                     scales.data_ptr<float>());
   return {codes, scales};
 }
 

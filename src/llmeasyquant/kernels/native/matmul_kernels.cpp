@@ -5,6 +5,7 @@
 // few rows (PyTorch's integer GEMM stays the one for many rows).
 
 #include "common.h"
+#include "operators.h"
 #include "w4a8_tiles.h"
 
 #include <atomic>
@@ -15,75 +16,128 @@
 
 namespace {
 
-// ==== int8 weight rows: prefetch and dot products ====
+// ==== int8 weights: far streams of channels, dot products ====
 
-// sums[j] = sum_i float(w[j * stride + i]) * x[i] for kWeightRows rows of int8 weights: the int8 codes widened to
-// fp32 in registers (exact), fp32 products and sums. Four rows share each load of x. `next` (the rows that follow,
-// or null) is prefetched a cache line at a time: decode reads every weight once, from memory, and the hardware
-// prefetcher alone left a third of the bandwidth unused.
-constexpr int64_t kWeightRows = 4;
+// Output channels a thread computes together, each from its own stretch of the thread's channels: its share is read
+// as kInt8Streams sequential streams far apart (stream s takes channels first + s * span + i, i in order), each one
+// run of memory the prefetchers follow. On this project's 2-core EPYC (one row, 3072 x 576 int8, on 2 MiB pages;
+// scratch timing, the same bits) four neighbouring channels a pass, which read four runs of a row's 9 cache lines
+// side by side and then jump, streamed 9-10 GB/s a thread; one channel after the other 23-28 GB/s, four far streams
+// 24 GB/s and, with two threads, 42-45 GB/s against 17-19: independent sums in flight without short runs.
+constexpr int64_t kInt8Streams = 4;
 constexpr int64_t kCacheLine = 64;
-void prefetch_rows(const int8_t* next, int64_t stride, int64_t i) {
-  if (next != nullptr && i % kCacheLine == 0)
-    for (int64_t j = 0; j < kWeightRows; ++j) __builtin_prefetch(next + j * stride + i, 0, 3);
+
+// The threads split the first seven eighths of a layer's output channels evenly; the last eighth goes in chunks of
+// 64 channels (four streams of 16) to whichever thread is free, so that a thread the host slows down does not keep
+// the other waiting at the end (up to 150 us of 2.7 ms per call measured between two threads' shares of a 28672 x
+// 4096 W4A16 layer). Scratch timing of the digits kernel, two runs: +4-5% at 4096 x 14336, +4-8% at 6144 x 4096, -1
+// to +9% at 28672 x 4096; a quarter in chunks of 128, or a sixteenth in chunks of 32, no better. At least 32
+// channels a thread.
+constexpr int64_t kTailShare = 8, kTailChannels = 64, kThreadChannels = 32;
+
+// Calls body(begin, end) over ranges of output channels that cover [0, out) once, split over the threads (or the
+// team) as above.
+template <typename Body>
+void for_channel_ranges(int64_t out, const Body& body) {
+  const int64_t threads = std::clamp<int64_t>(out / kThreadChannels, 1, split_threads());
+  const int64_t even = out - out / kTailShare;
+  const int64_t chunks = (out - even + kTailChannels - 1) / kTailChannels;
+  for_workers(threads, [&](int64_t t, const auto& next_chunk) {
+    body(even * t / threads, even * (t + 1) / threads);
+    for (int64_t k = next_chunk(); k < chunks; k = next_chunk())
+      body(even + k * kTailChannels, std::min(out, even + (k + 1) * kTailChannels));
+  });
 }
 
-void int8_dot_rows(const int8_t* w, const int8_t* next, int64_t stride, const float* x, int64_t width, float* sums) {
+// Calls body(o, stride, streams) over the output channels [0, out), split over the threads (or the team): streams
+// is std::integral_constant<int, kInt8Streams> for channels o + s * stride (s < kInt8Streams), or <int, 1> for o
+// alone (a range's last few channels).
+template <typename Body>
+void for_channel_streams(int64_t out, const Body& body) {
+  for_channel_ranges(out, [&](int64_t begin, int64_t end) {
+    const int64_t span = (end - begin) / kInt8Streams;
+    for (int64_t i = 0; i < span; ++i) body(begin + i, span, std::integral_constant<int, kInt8Streams>());
+    for (int64_t o = begin + kInt8Streams * span; o < end; ++o) body(o, 0, std::integral_constant<int, 1>());
+  });
+}
+
+// body(R, r) for the rows [0, rows) in groups of R <= 4 from row r (R a std::integral_constant): up to four rows
+// share each load of weights.
+template <typename Body>
+void for_row_groups(int64_t rows, const Body& body) {
+  for (int64_t r = 0; r < rows;) {
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: body(std::integral_constant<int, 4>(), r), r += 4; break;
+      case 3: body(std::integral_constant<int, 3>(), r), r += 3; break;
+      case 2: body(std::integral_constant<int, 2>(), r), r += 2; break;
+      default: body(std::integral_constant<int, 1>(), r), r += 1; break;
+    }
+  }
+}
+
+// sums[r * S + s] = sum_i float(w[s * stride + i]) * x[r * ldx + i] for S channels of int8 weights (rows of `width`
+// codes, `stride` codes apart) and R rows of x: the codes widened to fp32 in registers (exact), fp32 products and
+// sums. Each sum runs in the same order whatever S and R: a vector of partial sums over the row, reduced, then the
+// columns left over one by one.
+template <int S, int R>
+void int8_dot(const int8_t* w, int64_t stride, const float* x, int64_t ldx, int64_t width, float* sums) {
   int64_t i = 0;
-  for (int64_t j = 0; j < kWeightRows; ++j) sums[j] = 0.0f;
+  for (int k = 0; k < S * R; ++k) sums[k] = 0.0f;
 #if defined(CPU_CAPABILITY_AVX512)
-  __m512 acc[kWeightRows];
-  for (int64_t j = 0; j < kWeightRows; ++j) acc[j] = _mm512_setzero_ps();
-  for (; i + 16 <= width; i += 16) {
-    prefetch_rows(next, stride, i);
-    const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int64_t j = 0; j < kWeightRows; ++j) {
-      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * stride + i));
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, acc[j]);
+  __m512 acc[R][S];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+  for (; i + 16 <= width; i += 16)
+    for (int s = 0; s < S; ++s) {
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + s * stride + i));
+      const __m512 weights = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+      for (int r = 0; r < R; ++r) acc[r][s] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + r * ldx + i), acc[r][s]);
     }
-  }
-  for (int64_t j = 0; j < kWeightRows; ++j) sums[j] = _mm512_reduce_add_ps(acc[j]);
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) sums[r * S + s] = _mm512_reduce_add_ps(acc[r][s]);
 #elif defined(CPU_CAPABILITY_AVX2)
-  __m256 acc[kWeightRows];
-  for (int64_t j = 0; j < kWeightRows; ++j) acc[j] = _mm256_setzero_ps();
-  for (; i + 8 <= width; i += 8) {
-    prefetch_rows(next, stride, i);
-    const __m256 xv = _mm256_loadu_ps(x + i);
-    for (int64_t j = 0; j < kWeightRows; ++j) {
-      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * stride + i));
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), xv, acc[j]);
+  __m256 acc[R][S];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm256_setzero_ps();
+  for (; i + 8 <= width; i += 8)
+    for (int s = 0; s < S; ++s) {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + s * stride + i));
+      const __m256 weights = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+      for (int r = 0; r < R; ++r) acc[r][s] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * ldx + i), acc[r][s]);
     }
-  }
-  for (int64_t j = 0; j < kWeightRows; ++j) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[j]);
-    for (float lane : lanes) sums[j] += lane;
-  }
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc[r][s]);
+      for (float lane : lanes) sums[r * S + s] += lane;
+    }
 #endif
   for (; i < width; ++i)
-    for (int64_t j = 0; j < kWeightRows; ++j) sums[j] += static_cast<float>(w[j * stride + i]) * x[i];
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < S; ++s) sums[r * S + s] += static_cast<float>(w[s * stride + i]) * x[r * ldx + i];
 }
 
-// Calls body(first, count, w, next) for each block of kWeightRows output channels of int8 weights q [out, width],
-// blocks split over the threads: w the block's rows (a last block of fewer rows copied and zero-padded to
-// kWeightRows), next the following block's rows where this thread goes on to them (to prefetch; a short last block is
-// never read past), else null.
-template <typename Body>
-void for_int8_weight_blocks(const int8_t* q, int64_t out, int64_t width, const Body& body) {
-  const int64_t blocks = (out + kWeightRows - 1) / kWeightRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<int8_t> last;
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t first = b * kWeightRows, count = std::min(kWeightRows, out - first);
-      const int8_t* w = q + first * width;
-      if (count < kWeightRows) {
-        last.assign(kWeightRows * width, 0);
-        std::copy_n(w, count * width, last.data());
-        w = last.data();
-      }
-      body(first, count, w, b + 1 < end && first + 2 * kWeightRows <= out ? w + kWeightRows * width : nullptr);
-    }
-  });
+// ==== results through the epilogue ====
+
+// v as computed, hidden from the optimiser: GCC fuses a product feeding an addition into one FMA, across statements
+// (-ffp-contract=fast, its default), which rounds once where the per-op path rounds the product, stores it and adds
+// it in another operator.
+inline float opaque(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#else
+  volatile float held = v;
+  v = held;
+#endif
+  return v;
+}
+
+// row[o] = y (+ bias[o]), or row[o] += that: the epilogue of operators.h, each addition rounded on its own.
+inline void put(const Epilogue& epilogue, float* row, int64_t o, float y) {
+  if (epilogue.bias != nullptr) y = opaque(opaque(y) + epilogue.bias[o]);
+  row[o] = epilogue.accumulate ? row[o] + opaque(y) : y;
 }
 
 // ==== int4 groups and nibbles ====
@@ -153,18 +207,24 @@ at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, co
   TORCH_CHECK(scales.numel() == q.size(0), "scales must have one value per output channel");
   const int64_t rows = x.size(0), width = x.size(1), out = q.size(0);
   at::Tensor y = at::empty({rows, out}, x.options());
-  const float* px = x.data_ptr<float>();
-  const int8_t* pq = q.data_ptr<int8_t>();
-  const float* ps = scales.data_ptr<float>();
-  float* py = y.data_ptr<float>();
-  for_int8_weight_blocks(pq, out, width, [&](int64_t first, int64_t count, const int8_t* w, const int8_t* next) {
-    float sums[kWeightRows];
-    for (int64_t r = 0; r < rows; ++r) {
-      int8_dot_rows(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
-      for (int64_t j = 0; j < count; ++j) py[r * out + first + j] = sums[j] * ps[first + j];
-    }
-  });
+  int8_weight_matmul_into(x.data_ptr<float>(), rows, width, q.data_ptr<int8_t>(), scales.data_ptr<float>(), out,
+                          y.data_ptr<float>(), out, Epilogue{});
   return y;
+}
+
+void int8_weight_matmul_into(const float* x, int64_t rows, int64_t width, const int8_t* q, const float* scales,
+                             int64_t out, float* y, int64_t ldy, const Epilogue& epilogue) {
+  for_channel_streams(out, [&](int64_t o, int64_t span, auto streams) {
+    constexpr int S = decltype(streams)::value;
+    for_row_groups(rows, [&](auto group, int64_t r) {
+      constexpr int R = decltype(group)::value;
+      float sums[R * S];
+      int8_dot<S, R>(q + o * width, span * width, x + r * width, width, width, sums);
+      for (int k = 0; k < R; ++k)
+        for (int c = 0; c < S; ++c)
+          put(epilogue, y + (r + k) * ldy, o + c * span, sums[k * S + c] * scales[o + c * span]);
+    });
+  });
 }
 
 // ==== W4A16 weights: packed int4 codes, scales, zeros ====
@@ -803,7 +863,7 @@ constexpr float kDigitMax = 32639.0f;  // 127 * 256 + 127: both digits stay in i
 // which weight group each lane's columns belong to, relative to the block's first group (`first_group`), and how
 // many groups from there the block touches (`touched`, at most 16: groups are multiples of 8 columns).
 struct DigitActivations {
-  int64_t blocks, groups;
+  int64_t blocks = 0, groups = 0;
   std::vector<int8_t> digits;        // [rows, blocks, 4, 64]
   std::vector<int32_t> minus_eight;  // [rows, blocks, 16]
   std::vector<float> lane_scales;    // [rows, blocks, 16]
@@ -813,12 +873,19 @@ struct DigitActivations {
   std::vector<uint8_t> one_group;  // [blocks]: whether every lane is in the first group (groups of 128 or more)
   bool one_group_each = true;      // whether that holds for every block
 
-  DigitActivations(const float* x, int64_t rows, int64_t width, int64_t group_size, int64_t groups_in, bool zeros)
-      : blocks((width + kDigitBlock - 1) / kDigitBlock), groups(groups_in) {
+  // The activations of x [rows, width]; an object filled again keeps its buffers (the step's threads keep one each).
+  void fill(const float* x, int64_t rows, int64_t width, int64_t group_size, int64_t groups_in, bool zeros) {
+    blocks = (width + kDigitBlock - 1) / kDigitBlock;
+    groups = groups_in;
     digits.assign(rows * blocks * 256, 0);
     minus_eight.assign(rows * blocks * 16, 0);
     lane_scales.assign(rows * blocks * 16, 0.0f);
-    if (zeros) group_sums.assign(rows * groups, 0.0f);
+    group_sums.assign(zeros ? rows * groups : 0, 0.0f);
+    lane_group.clear();
+    first_group.clear();
+    touched.clear();
+    one_group.clear();
+    one_group_each = true;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t g0 = std::min(groups - 1, b * kDigitBlock / group_size);
       first_group.push_back(g0);
@@ -945,12 +1012,6 @@ struct DigitActivations {
 // 32 lines ahead alike.
 constexpr int64_t kDigitStreams = 4;
 constexpr int64_t kDigitLinesAhead = 16;
-// The threads split the first seven eighths of the channels evenly; the last eighth goes in chunks of 64 channels
-// (four streams of 16) to whichever thread is free, so that a thread the host slows down does not keep the other
-// waiting at the end (up to 150 us of 2.7 ms per call measured between two threads' shares of a 28672 x 4096
-// layer). Scratch timing as above, two runs: +4-5% at 4096 x 14336, +4-8% at 6144 x 4096, -1 to +9% at 28672 x
-// 4096; a quarter in chunks of 128, or a sixteenth in chunks of 32, no better. At least 32 channels a thread.
-constexpr int64_t kDigitTailShare = 8, kDigitTailChannels = 64, kDigitThreadChannels = 32;
 // A channel's scales are a short run of their own (64 bytes a channel at 4096 columns, fp16), read once a block: a
 // stream of rows that the codes' prefetch does not cover. Each stream's scales kDigitScaleRowsAhead channels on are
 // prefetched as a channel starts, and where one scale covers each block (OneGroup) the channel's scales are widened
@@ -1095,19 +1156,22 @@ float zero_offset(const DigitWeights<Scale>& w, int64_t o, const float* group_su
 namespace {
 
 template <typename Scale>
-at::Tensor digits_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                         const c10::optional<at::Tensor>& zeros, int64_t group_size) {
+void digits_matmul(const float* x, int64_t rows, int64_t width, const at::Tensor& packed, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& zeros, int64_t group_size, float* y, int64_t ldy,
+                   const Epilogue& epilogue) {
   const DigitWeights<Scale> w{packed.data_ptr<uint8_t>(), scales.data_ptr<Scale>(),
-                              zeros.has_value() ? zeros->data_ptr<Scale>() : nullptr, packed.size(0), x.size(1),
+                              zeros.has_value() ? zeros->data_ptr<Scale>() : nullptr, packed.size(0), width,
                               scales.size(1), packed.size(1)};
-  const int64_t rows = x.size(0);
-  const DigitActivations digits(x.data_ptr<float>(), rows, w.width, std::min(group_size, w.width), w.groups,
-                                w.zeros != nullptr);
-  at::Tensor y = at::empty({rows, w.out}, x.options());
-  float* py = y.data_ptr<float>();
+  // Each thread of a team makes its own copy of the activations (a decode step's few rows: less than waiting for
+  // one thread to make them) in a buffer it keeps; a call of its own makes them once, its rows over the threads.
+  thread_local DigitActivations kept;
+  DigitActivations local;
+  DigitActivations& digits = llmeasyquant::team::current != nullptr ? kept : local;
+  on_own([&] { digits.fill(x, rows, w.width, std::min(group_size, w.width), w.groups, w.zeros != nullptr); });
   // y[r, o] from the channel's integer sums, less scale * zero * sum of the group's activations over its groups
   const auto finish = [&](int64_t r, int64_t o, float sum) {
-    py[r * w.out + o] = w.zeros == nullptr ? sum : sum - zero_offset(w, o, digits.group_sums.data() + r * w.groups);
+    put(epilogue, y + r * ldy, o,
+        w.zeros == nullptr ? sum : sum - zero_offset(w, o, digits.group_sums.data() + r * w.groups));
   };
   // channels [begin, end) of every row: kDigitStreams far streams, then the channels left over one at a time
   const auto channels = [&](int64_t begin, int64_t end) {
@@ -1134,21 +1198,22 @@ at::Tensor digits_matmul(const at::Tensor& x, const at::Tensor& packed, const at
 #endif
     }
   };
-  const int64_t threads = std::clamp<int64_t>(w.out / kDigitThreadChannels, 1, at::get_num_threads());
-  const int64_t even = w.out - w.out / kDigitTailShare;
-  const int64_t chunks = (w.out - even + kDigitTailChannels - 1) / kDigitTailChannels;
-  std::atomic<int64_t> next_chunk{0};
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      channels(even * t / threads, even * (t + 1) / threads);
-      for (int64_t k = next_chunk.fetch_add(1); k < chunks; k = next_chunk.fetch_add(1))
-        channels(even + k * kDigitTailChannels, std::min(w.out, even + (k + 1) * kDigitTailChannels));
-    }
-  });
-  return y;
+  for_channel_ranges(w.out, channels);
 }
 
 }  // namespace
+
+void check_int4_digits(int64_t width, const at::Tensor& packed, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& zeros, int64_t group_size) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
+              "scales must be float32 or float16, got ", scales.scalar_type());
+  check_cpu(packed, at::kByte, "packed");
+  check_cpu(scales, scales.scalar_type(), "scales");
+  if (zeros.has_value()) check_cpu(*zeros, scales.scalar_type(), "zeros (of the scales' dtype)");
+  check_int4_layout(packed, scales, zeros, width, group_size);
+  TORCH_CHECK(group_size % 8 == 0 || group_size >= width, "group size must be a multiple of 8 or cover the row, got ",
+              group_size);
+}
 
 // x: [rows, in] fp32, packed as dequantize_int4, scales [out, groups] fp32 or fp16, zeros absent or as the scales
 // -> y: [rows, out] fp32. y = x times the W4A16 weights, x taken as 16-bit fixed point per 32 columns
@@ -1157,74 +1222,65 @@ at::Tensor int4_digits_matmul(const at::Tensor& x_in, const at::Tensor& packed, 
                               const c10::optional<at::Tensor>& zeros, int64_t group_size) {
   const at::Tensor x = input(x_in, at::kFloat, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
-              "scales must be float32 or float16, got ", scales.scalar_type());
-  check_cpu(packed, at::kByte, "packed");
-  check_cpu(scales, scales.scalar_type(), "scales");
-  if (zeros.has_value()) check_cpu(*zeros, scales.scalar_type(), "zeros (of the scales' dtype)");
-  check_int4_layout(packed, scales, zeros, x.size(1), group_size);
-  TORCH_CHECK(group_size % 8 == 0 || group_size >= x.size(1), "group size must be a multiple of 8 or cover the row, got ",
-              group_size);
-  return scales.scalar_type() == at::kHalf ? digits_matmul<at::Half>(x, packed, scales, zeros, group_size)
-                                           : digits_matmul<float>(x, packed, scales, zeros, group_size);
+  check_int4_digits(x.size(1), packed, scales, zeros, group_size);
+  at::Tensor y = at::empty({x.size(0), packed.size(0)}, x.options());
+  int4_digits_matmul_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, scales, zeros, group_size,
+                          y.data_ptr<float>(), packed.size(0), Epilogue{});
+  return y;
+}
+
+void int4_digits_matmul_into(const float* x, int64_t rows, int64_t width, const at::Tensor& packed,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& zeros, int64_t group_size,
+                             float* y, int64_t ldy, const Epilogue& epilogue) {
+  if (scales.scalar_type() == at::kHalf) {
+    digits_matmul<at::Half>(x, rows, width, packed, scales, zeros, group_size, y, ldy, epilogue);
+  } else {
+    digits_matmul<float>(x, rows, width, packed, scales, zeros, group_size, y, ldy, epilogue);
+  }
 }
 
 // ==== W8A8 for a few rows: int8 weights x int8 activations, reading the stored codes ====
 
 namespace {
 
-// Activation rows that share each load of weights (4 channels x 4 rows: 16 accumulators).
-constexpr int64_t kW8A8Rows = 4;
-
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
 // VNNI multiplies unsigned by signed bytes, so the activations go in as u = qx + 128 (one XOR with 0x80) and
 // 128 * sum(q) is taken off each channel's sum afterwards: sum(u q) - 128 sum(q) = sum(qx q), exact in int32 (one
 // lane's four products are at most 4 * 255 * 128, and a row of `in` columns sums to at most 32640 * in: exact for
 // in < 65,793, as the int32 accumulation of torch._int_mm). Masked loads zero the weights past the last column,
-// so the tail adds nothing whatever the activations there.
-template <int R>
-void w8a8_block(const int8_t* w, const int8_t* next, int64_t width, const int8_t* qx, int64_t stride,
-                int32_t* sums) {
+// so the tail adds nothing whatever the activations there. sums[r * S + s] for S channels (stride codes apart) and
+// R rows of qx (ldx apart), as int8_dot.
+template <int S, int R>
+void w8a8_dot(const int8_t* w, int64_t stride, const int8_t* qx, int64_t ldx, int64_t width, int32_t* sums) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i acc[R][kWeightRows];
+  __m512i acc[R][S];
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < kWeightRows; ++j) acc[r][j] = _mm512_setzero_si512();
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_si512();
   for (int64_t i = 0; i < width; i += 64) {
     const __mmask64 mask = width - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (width - i)) - 1;
-    prefetch_rows(next, width, i);
-    __m512i weights[kWeightRows];
-    for (int64_t j = 0; j < kWeightRows; ++j) weights[j] = _mm512_maskz_loadu_epi8(mask, w + j * width + i);
-    for (int r = 0; r < R; ++r) {
-      const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, qx + r * stride + i), flip);
-      for (int64_t j = 0; j < kWeightRows; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], u, weights[j]);
+    __m512i u[R];
+    for (int r = 0; r < R; ++r) u[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, qx + r * ldx + i), flip);
+    for (int s = 0; s < S; ++s) {
+      const __m512i weights = _mm512_maskz_loadu_epi8(mask, w + s * stride + i);
+      for (int r = 0; r < R; ++r) acc[r][s] = _mm512_dpbusd_epi32(acc[r][s], u[r], weights);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < kWeightRows; ++j) sums[r * kWeightRows + j] = _mm512_reduce_add_epi32(acc[r][j]);
+    for (int s = 0; s < S; ++s) sums[r * S + s] = _mm512_reduce_add_epi32(acc[r][s]);
 }
-#endif
-
+#else
 // The same sums one value at a time (CPUs without VNNI; the registry's timing then prefers torch._int_mm), in the
 // form the vector path leaves them: sum(u q) with u = qx + 128, before the 128 * sum(q) correction.
-template <int R>
-void w8a8_block_scalar(const int8_t* w, int64_t width, const int8_t* qx, int64_t stride, int32_t* sums) {
+template <int S, int R>
+void w8a8_dot(const int8_t* w, int64_t stride, const int8_t* qx, int64_t ldx, int64_t width, int32_t* sums) {
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < kWeightRows; ++j) {
+    for (int s = 0; s < S; ++s) {
       int32_t sum = 0;
-      for (int64_t i = 0; i < width; ++i) sum += (static_cast<int32_t>(qx[r * stride + i]) + 128) * w[j * width + i];
-      sums[r * kWeightRows + j] = sum;
+      for (int64_t i = 0; i < width; ++i) sum += (static_cast<int32_t>(qx[r * ldx + i]) + 128) * w[s * stride + i];
+      sums[r * S + s] = sum;
     }
 }
-
-template <int R>
-void w8a8_sums(const int8_t* w, const int8_t* next, int64_t width, const int8_t* qx, int64_t stride, int32_t* sums) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
-  w8a8_block<R>(w, next, width, qx, stride, sums);
-#else
-  (void)next;
-  w8a8_block_scalar<R>(w, width, qx, stride, sums);
 #endif
-}
 
 }  // namespace
 
@@ -1247,30 +1303,30 @@ at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
               "w_scales and w_sums must have one value per output channel");
   const int64_t rows = qx.size(0), width = qx.size(1), out = q.size(0);
   at::Tensor y = at::empty({rows, out}, x_scales.options());
-  const int8_t* px = qx.data_ptr<int8_t>();
-  const int8_t* pq = q.data_ptr<int8_t>();
-  const float* pxs = x_scales.data_ptr<float>();
-  const float* pws = w_scales.data_ptr<float>();
-  const int32_t* psum = w_sums.data_ptr<int32_t>();
-  float* py = y.data_ptr<float>();
-  for_int8_weight_blocks(pq, out, width, [&](int64_t first, int64_t count, const int8_t* w, const int8_t* next) {
-    int32_t sums[kW8A8Rows * kWeightRows];
-    for (int64_t r = 0; r < rows;) {
-      const int64_t shared = rows - r >= kW8A8Rows ? kW8A8Rows : 1;
-      if (shared == kW8A8Rows) {
-        w8a8_sums<kW8A8Rows>(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
-      } else {
-        w8a8_sums<1>(w, r == 0 ? next : nullptr, width, px + r * width, width, sums);
-      }
-      for (int64_t k = 0; k < shared; ++k)
-        for (int64_t j = 0; j < count; ++j) {
-          const int32_t exact = sums[k * kWeightRows + j] - 128 * psum[first + j];
-          py[(r + k) * out + first + j] = static_cast<float>(exact) * pxs[r + k] * pws[first + j];
-        }
-      r += shared;
-    }
-  });
+  int8_int8_matmul_into(qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(), rows, width, q.data_ptr<int8_t>(),
+                        w_scales.data_ptr<float>(), w_sums.data_ptr<int32_t>(), out, y.data_ptr<float>(), out,
+                        Epilogue{});
   return y;
+}
+
+void int8_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t rows, int64_t width, const int8_t* q,
+                           const float* w_scales, const int32_t* w_sums, int64_t out, float* y, int64_t ldy,
+                           const Epilogue& epilogue) {
+  for_channel_streams(out, [&](int64_t o, int64_t span, auto streams) {
+    constexpr int S = decltype(streams)::value;
+    for_row_groups(rows, [&](auto group, int64_t r) {
+      constexpr int R = decltype(group)::value;
+      int32_t sums[R * S];
+      w8a8_dot<S, R>(q + o * width, span * width, qx + r * width, width, width, sums);
+      for (int k = 0; k < R; ++k)
+        for (int c = 0; c < S; ++c) {
+          const int64_t channel = o + c * span;
+          const int32_t exact = sums[k * S + c] - 128 * w_sums[channel];
+          put(epilogue, y + (r + k) * ldy, channel,
+              static_cast<float>(exact) * x_scales[r + k] * w_scales[channel]);
+        }
+    });
+  });
 }
 
 // ==== W4A16 on a non-uniform grid: the weights levels[u] * scale ====

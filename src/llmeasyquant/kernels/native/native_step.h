@@ -17,6 +17,10 @@ struct StepLinear {
   c10::optional<at::Tensor> bias;
   int64_t group_size = 0, in_features = 0, out_features = 0;
   int64_t act_qmin = 0, act_qmax = 0, act_group = 0, padded_in = 0;
+  // Whether the team runs it (its kind has a step form, its tensors passed that form's checks), and its bias as the
+  // fp32 the per-op path adds (undefined without).
+  bool team = false;
+  at::Tensor bias32;
 };
 
 // A block of a pre-norm rotary decoder: x += o(attention(qkv(norm(x)))); x += down(silu(gate) * up(norm(x))).
@@ -27,6 +31,10 @@ struct StepBlock {
   double eps[4] = {0, 0, 0, 0};  // attn, mlp, q, k
   std::vector<StepLinear> projections[4];  // qkv, o, gate_up, down
   std::vector<at::Tensor> pool;  // this layer's KV pool: keys and values (float), or the 11 coded tensors
+  // Whether the pool layer and norms passed the team's checks, with the first block's layout (the team checks a
+  // step's rows against that one); the layer's kv heads and head dim.
+  bool team_pool = false;
+  int64_t kv_heads = 0, dim = 0;
 };
 
 // The step's rows (runtime/kv_pool.py's Rows): sequence slot, position, flat cache slot and length of each row, and
@@ -54,8 +62,20 @@ class StepProgram {
                  const at::Tensor& row_seq, const at::Tensor& positions, const at::Tensor& lengths, int64_t first,
                  int64_t last) const;
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  // Whether run() takes the team for `rows` rows over blocks [first, last): one OpenMP parallel region for all of
+  // them (native_step.cpp), for decode's few rows where every linear has a step form.
+  bool team_covers(int64_t rows, int64_t first, int64_t last) const;
+  // The team on (the default; LLMEASYQUANT_STEP_TEAM=0 when the program is built: off) or off, every step then
+  // running operator by operator. The same bits either way; the switch is for tests and timings.
+  void set_team(bool on) { team_ = on; }
 
  private:
+  struct TeamStep;
+  bool team_block_fits(const StepBlock& block) const;
+  void run_team(at::Tensor& x, const StepRows& rows, int64_t first, int64_t last) const;
+  void team_block(const StepBlock& block, TeamStep& step) const;
+  void team_project(const StepBlock& block, int64_t which, const float* in, float* out, int64_t ldo, bool accumulate,
+                    TeamStep& step) const;
   at::Tensor project(const StepBlock& block, int64_t which, const at::Tensor& x) const;
   at::Tensor linear(const StepLinear& l, const at::Tensor& x) const;
   at::Tensor attend(const StepBlock& block, const at::Tensor& qkv, const StepRows& rows) const;
@@ -66,4 +86,5 @@ class StepProgram {
   at::Tensor tables_, cos_table_, sin_table_;
   int64_t bits_, sinks_;
   std::vector<StepBlock> blocks_;
+  bool team_ = true;
 };

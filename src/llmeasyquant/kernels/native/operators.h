@@ -5,13 +5,29 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <tuple>
 #include <vector>
+
+// ==== the step's forms ====
+
+// StepProgram's team (native_step.cpp) calls the operators below in a form of their own: raw rows in, results into
+// rows it holds (no tensor made per call), every thread of the team calling each with the same arguments (common.h).
+// Each operator above is its step form with the input checks and its output allocated.
+
+// What a step-form matmul does with each result y[r, o]: adds bias[o] (fp32; none where null), then stores the sum
+// or, with `accumulate`, adds it to what the output holds (the residual stream: x += o(attention)). Each addition is
+// rounded on its own, as the per-op path's separate operators round it.
+struct Epilogue {
+  const float* bias = nullptr;
+  bool accumulate = false;
+};
 
 // ==== decoder operators (decoder_ops.cpp) ====
 
 // x: [..., width] fp32, weight: [width] fp32 -> [..., width] fp32
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps);
+void rms_norm_into(const float* x, const float* weight, double eps, int64_t rows, int64_t width, float* y);
 // qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, keys, values: [kv_heads, max, dim] fp32
 // (written in place), q_norm, k_norm: [dim] fp32 or absent -> q: [rows, heads, dim] fp32
 at::Tensor rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor keys,
@@ -27,8 +43,12 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
 bool use_blas(bool wanted);
 // gate_up: [rows, 2 * width] fp32 -> [rows, width] fp32
 at::Tensor silu_mul(const at::Tensor& gate_up_in);
+void silu_mul_into(const float* gate_up, int64_t rows, int64_t width, float* out);
 // x: [rows, in] fp32, qmax: the largest code (127 or 7) -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double min_scale, int64_t qmax);
+// codes: [rows, in] int8, scales: [rows] fp32
+void quantize_rows_into(const float* x, int64_t rows, int64_t width, double min_scale, int64_t qmax, int8_t* codes,
+                        float* scales);
 // x: [rows, in] fp32, [qmin, qmax]: the code range -> (codes: [rows, in] int8, scales: [rows, 1] fp32, zeros: [rows, 1] int32)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_asym(const at::Tensor& x_in, double min_scale,
                                                                   int64_t qmin, int64_t qmax);
@@ -47,6 +67,9 @@ at::Tensor search_clip_rows(const at::Tensor& x_in, int64_t bits, bool symmetric
 
 // x: [rows, in] fp32, q: [out, in] int8, scales: [out] fp32 -> [rows, out] fp32
 at::Tensor int8_weight_matmul(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in);
+// y: [rows, ldy] fp32, columns 0..out-1 written through the epilogue
+void int8_weight_matmul_into(const float* x, int64_t rows, int64_t width, const int8_t* q, const float* scales,
+                             int64_t out, float* y, int64_t ldy, const Epilogue& epilogue);
 // packed: [out, ceil(in / 2)] uint8, scales, zeros: [out, groups] fp32 (zeros absent: symmetric) -> [out, in] fp32
 at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                            int64_t in_features, int64_t group_size);
@@ -58,6 +81,13 @@ bool bf16_dot_built();
 // x: [rows, in] fp32, packed, scales, zeros as dequantize_int4 -> [rows, out] fp32 (x as 16-bit fixed point)
 at::Tensor int4_digits_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& zeros, int64_t group_size);
+// The checks of int4_digits_matmul's weights for rows of `width` values.
+void check_int4_digits(int64_t width, const at::Tensor& packed, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& zeros, int64_t group_size);
+// x: [rows, in] fp32 (weights that pass check_int4_digits), y as int8_weight_matmul_into's
+void int4_digits_matmul_into(const float* x, int64_t rows, int64_t width, const at::Tensor& packed,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& zeros, int64_t group_size,
+                             float* y, int64_t ldy, const Epilogue& epilogue);
 // packed, scales as dequantize_int4, levels: [16] or [out, 16] fp32 (a non-uniform grid) -> [out, in] fp32
 at::Tensor dequantize_int4_levels(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& levels_in,
                                   int64_t in_features, int64_t group_size);
@@ -77,6 +107,10 @@ bool amx_int8_usable();
 // -> y: [rows, out] fp32
 at::Tensor int8_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& q_in,
                             const at::Tensor& w_scales_in, const at::Tensor& w_sums_in);
+// x_scales: [rows] fp32, y as int8_weight_matmul_into's
+void int8_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t rows, int64_t width, const int8_t* q,
+                           const float* w_scales, const int32_t* w_sums, int64_t out, float* y, int64_t ldy,
+                           const Epilogue& epilogue);
 
 // ==== the read-bandwidth probe (memory_probe.cpp) ====
 
@@ -127,3 +161,40 @@ at::Tensor quant_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
 std::tuple<at::Tensor, at::Tensor> quant_gather(const std::vector<at::Tensor>& pool, const at::Tensor& table_in,
                                                 int64_t seq, int64_t length, const at::Tensor& cos_in,
                                                 const at::Tensor& sin_in, int64_t bits, int64_t sinks);
+
+// ==== paged KV pool: the step's forms (paged_ops.cpp) ====
+
+// The stores write q [rows, heads, dim] fp32; the attention operators read it and write out [rows, heads * dim] fp32,
+// with `partials` (attention_partial_floats of the plan) as their scratch, shared by the team.
+void paged_rope_store_into(const float* qkv, int64_t rows, const float* cos, const float* sin,
+                           const at::Tensor& key_pool, const at::Tensor& value_pool, const int64_t* slots,
+                           int64_t heads, const float* q_norm, const float* k_norm, double q_eps, double k_eps,
+                           float* q);
+void quant_rope_store_into(const float* qkv, int64_t rows, const float* cos, const float* sin,
+                           const std::vector<at::Tensor>& pool, const int64_t* slots, const int64_t* row_seq,
+                           const int64_t* positions, int64_t heads, const float* q_norm, const float* k_norm,
+                           double q_eps, double k_eps, int64_t bits, int64_t sinks, float* q);
+// The tasks of a step's attention (tiles of rows, pieces of their positions): the rows' sequences and lengths and
+// the pool's shape make them, the same in every layer, so a step plans once for all its layers.
+struct AttentionPlan;
+std::shared_ptr<const AttentionPlan> plan_attention(const std::vector<at::Tensor>& pool, bool quantized, int64_t bits,
+                                                    int64_t sinks, int64_t heads, const at::Tensor& row_seq,
+                                                    const at::Tensor& lengths, const at::Tensor& cos_table,
+                                                    const at::Tensor& sin_table);
+int64_t attention_partial_floats(const AttentionPlan& plan);
+void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t heads, const at::Tensor& key_pool,
+                          const at::Tensor& value_pool, const int32_t* tables, int64_t max_blocks,
+                          const int64_t* lengths, double scale, float* out, float* partials);
+void quant_attention_into(const AttentionPlan& plan, const float* q, int64_t heads,
+                          const std::vector<at::Tensor>& pool, const int32_t* tables, int64_t max_blocks,
+                          const int64_t* lengths, const float* cos_table, const float* sin_table, int64_t bits,
+                          int64_t sinks, double scale, float* out, float* partials);
+// Checks a layer of the pool (its keys and values, or the 11 coded tensors) and its q/k norms, then a step's rows
+// against such a layer, as the store and attention operators check them: the team checks everything before it
+// starts (its threads cannot stop halfway).
+void check_pool_layer(const std::vector<at::Tensor>& pool, bool quantized, int64_t bits, int64_t sinks,
+                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm);
+void check_step_rows(const std::vector<at::Tensor>& pool, bool quantized, int64_t bits, int64_t sinks, int64_t heads,
+                     int64_t rows, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                     const at::Tensor& row_seq, const at::Tensor& positions, const at::Tensor& lengths,
+                     const at::Tensor& tables, const at::Tensor& cos_table, const at::Tensor& sin_table);

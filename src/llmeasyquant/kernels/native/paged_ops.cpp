@@ -44,6 +44,8 @@
 // decode rows still keep every thread busy.
 
 #include "common.h"
+#include "operators.h"
+#include "row_ops.h"
 
 #include <atomic>
 #include <cmath>
@@ -95,7 +97,7 @@ inline Lanes load_lanes(const at::Half* p) {
 }
 inline void store_lanes(const Lanes& v, float* p) { std::memcpy(p, &v, sizeof v); }
 
-// ==== rows: fp16 loads, norm, rotary ====
+// ==== rows: fp16 loads, stores, norms of a qkv row (norm_row, rope_row, dot: row_ops.h) ====
 
 void half_row_to_float(const at::Half* src, int64_t n, float* dst) {
   int64_t i = 0;
@@ -108,44 +110,18 @@ void half_row_to_float(const at::Half* src, int64_t n, float* dst) {
 }
 
 // Asks for the cache lines of [p, p + bytes): a unit's blocks lie anywhere in the pool, so the hardware prefetcher
-// cannot see the next one coming; asked for one unit ahead, they arrive while the current unit is computed.
+// cannot see the next one coming; asked for ahead, they arrive while the current unit is computed.
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
 
+// Float pool blocks a task asks for ahead of the one it computes.
+constexpr int64_t kPrefetchBlocks = 4;
+
 template <typename T>
 void store_row(const float* src, int64_t n, T* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-// y = weight * (x * (1 / sqrt(mean(x^2) + eps))). The squares are summed in double, where each is exact, so the
-// result hardly depends on the order of the sum and paged_reference.py gets the same normalised keys bit for bit
-// (the quantized pool codes them: their codes must match).
-void norm_row(const float* x, const float* weight, float eps, int64_t width, float* y) {
-  double sum = 0.0;
-  for (int64_t i = 0; i < width; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-  const float mean = static_cast<float>(sum / static_cast<double>(width));
-  const float inv = 1.0f / std::sqrt(mean + eps);
-  for (int64_t i = 0; i < width; ++i) y[i] = weight[i] * (x[i] * inv);
-}
-
-// Rotary embedding of one head vector: y = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1). y may be x.
-void rope_row(const float* x, const float* cos, const float* sin, int64_t dim, float* y) {
-  const int64_t half = dim / 2;
-  int64_t i = 0;
-  if (half % kLanes == 0) {
-    for (; i < half; i += kLanes) {
-      const Vec a = Vec::loadu(x + i), b = Vec::loadu(x + i + half);
-      (a * Vec::loadu(cos + i) - b * Vec::loadu(sin + i)).store(y + i);
-      (b * Vec::loadu(cos + i + half) + a * Vec::loadu(sin + i + half)).store(y + i + half);
-    }
-  }
-  for (; i < half; ++i) {
-    const float a = x[i], b = x[i + half];
-    y[i] = a * cos[i] - b * sin[i];
-    y[i + half] = b * cos[i + half] + a * sin[i + half];
-  }
 }
 
 // The query heads then the key heads of one qkv row [(heads + 2 kv_heads) * dim], each RMS-normalised when norm
@@ -543,15 +519,6 @@ void scores_rows(const float* q, int64_t count, const Keys& keys, int64_t n, flo
   }
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.0f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // Output sums that stay in registers over a unit's rows: 24 vectors with AVX-512's 32 registers, 12 with 16.
 constexpr int kRegisterVecs = kLanes == 16 ? 24 : 12;
 constexpr int max_sums(int vecs) { return std::max(1, std::min(8, kRegisterVecs / vecs)); }
@@ -764,12 +731,15 @@ struct Task {
   int64_t tile, g_begin, g_end, unit_begin, unit_end, piece, cost;
 };
 
+// The tasks of one call, and what they are the same for: the threads the pieces were sized for and the work that
+// sizes the workers. A step's attention has the same plan in every layer (the same rows, lengths and pool shape):
+// the step makes it once (plan_attention).
 struct Plan {
   std::vector<Tile> tiles;
   std::vector<Task> tasks;
   std::vector<int64_t> pair_partial;  // (tile, g) -> offset of its pieces' partials, -1 when one piece
   std::vector<int64_t> tile_pieces;   // tile -> pieces of each of its kv heads
-  int64_t partial_floats = 0, cost = 0;
+  int64_t partial_floats = 0, cost = 0, threads = 1, kv_heads = 1, group = 1, dim = 0;
 };
 
 std::vector<Tile> make_tiles(const int64_t* row_seq, const int64_t* lengths, int64_t rows, int64_t group) {
@@ -795,14 +765,17 @@ Plan make_plan(std::vector<Tile> tiles, int64_t kv_heads, int64_t group, int64_t
                int64_t heads_per_task, const Units& units) {
   Plan plan;
   plan.tiles = std::move(tiles);
+  plan.kv_heads = kv_heads, plan.group = group, plan.dim = dim;
   std::vector<int64_t> tile_units(plan.tiles.size());
   for (size_t t = 0; t < plan.tiles.size(); ++t) {
     tile_units[t] = units(plan.tiles[t]);
     plan.cost += tile_units[t] * plan.tiles[t].rows * kv_heads;
   }
-  const int64_t threads = at::get_num_threads();
-  // Pieces of at least 256 positions, and some 4 tasks a thread where the pairs alone are too few.
-  const int64_t min_units = std::max<int64_t>(1, 256 / positions_per_unit);
+  const int64_t threads = plan.threads = at::get_num_threads();
+  // Pieces of at least 64 positions, and some 4 tasks a thread where the pairs alone are too few: a decode row of a
+  // few hundred positions still splits its kv heads over the threads (at 129 positions of SmolLM2's 3 kv heads, 6
+  // tasks for 2 threads where 3 kept one thread on two of them).
+  const int64_t min_units = std::max<int64_t>(1, 64 / positions_per_unit);
   const int64_t target = threads > 1 ? std::max<int64_t>(1, plan.cost / (4 * threads)) : plan.cost + 1;
   plan.pair_partial.assign(plan.tiles.size() * kv_heads, -1);
   plan.tile_pieces.assign(plan.tiles.size(), 1);
@@ -827,18 +800,21 @@ Plan make_plan(std::vector<Tile> tiles, int64_t kv_heads, int64_t group, int64_t
 }
 
 // Runs every task of the plan: run(task, tile, states) attends over its units (states: a TileState<T> per kv head,
-// for value rows of type T; the task's kv heads are used); then the pieces of split pairs are merged.
+// for value rows of type T; the task's kv heads are used); then the pieces of split pairs are merged. out: [rows,
+// heads * dim]; partials: plan.partial_floats, shared by the threads.
 template <typename T, typename Run>
-void run_plan(const Plan& plan, int64_t heads, int64_t kv_heads, int64_t dim, float* out, const Run& run) {
-  const int64_t group = heads / kv_heads;
-  std::vector<float> partials(plan.partial_floats);
+void run_plan(const Plan& plan, int64_t heads, float* out, float* partials, const Run& run) {
+  const int64_t kv_heads = plan.kv_heads, group = plan.group, dim = plan.dim;
   const int64_t tasks = static_cast<int64_t>(plan.tasks.size());
+  // Small calls on one thread, as opening a parallel region costs more than they do; a team's threads are there
+  // already, and which thread runs a task changes nothing in its result.
   const int64_t work = plan.cost * group * dim;
-  const int64_t workers = work >= 32768 ? std::min<int64_t>(at::get_num_threads(), tasks) : 1;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<TileState<T>> states(kv_heads);
-    for (int64_t i = next.fetch_add(1); i < tasks; i = next.fetch_add(1)) {
+  const bool shared = work >= 32768 || llmeasyquant::team::current != nullptr;
+  const int64_t workers = shared ? std::min<int64_t>(plan.threads, tasks) : 1;
+  for_workers(workers, [&](int64_t, const auto& next) {
+    thread_local std::vector<TileState<T>> states;  // kept: a step's layers reuse their buffers
+    states.resize(kv_heads);
+    for (int64_t i = next(); i < tasks; i = next()) {
       const Task& task = plan.tasks[i];
       const Tile& tile = plan.tiles[task.tile];
       run(task, tile, states);
@@ -847,21 +823,26 @@ void run_plan(const Plan& plan, int64_t heads, int64_t kv_heads, int64_t dim, fl
         if (partial < 0) {
           states[g].finish(tile, g, heads, out);
         } else {
-          states[g].save(partials.data() + partial + task.piece * tile.rows * group * (dim + 2));
+          states[g].save(partials + partial + task.piece * tile.rows * group * (dim + 2));
         }
       }
     }
   });
-  // Merging: out = sum_p exp(top_p - top) acc_p / sum_p exp(top_p - top) total_p.
-  for (size_t t = 0; t < plan.tiles.size(); ++t) {
-    const Tile& tile = plan.tiles[t];
-    const int64_t count = tile.rows * group, stride = count * (dim + 2);
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      const int64_t offset = plan.pair_partial[t * kv_heads + g];
+  if (plan.partial_floats == 0) return;
+  // Merging, each split (tile, kv head) pair on its own: out = sum_p exp(top_p - top) acc_p / sum_p exp(top_p - top)
+  // total_p. Pairs go to the threads in runs of some 16k merged values (a decode row's few pairs: one thread).
+  const int64_t pairs = static_cast<int64_t>(plan.tiles.size()) * kv_heads;
+  const int64_t pair_values = plan.partial_floats / std::max<int64_t>(1, pairs);
+  parallel_range(0, pairs, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, pair_values)), [&](int64_t begin,
+                                                                                                int64_t end) {
+    thread_local std::vector<float> sum;
+    sum.resize(dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t t = pair / kv_heads, g = pair % kv_heads, offset = plan.pair_partial[pair];
       if (offset < 0) continue;
-      const int64_t pieces = plan.tile_pieces[t];
-      const float* base = partials.data() + offset;
-      std::vector<float> sum(dim);
+      const Tile& tile = plan.tiles[t];
+      const int64_t count = tile.rows * group, stride = count * (dim + 2), pieces = plan.tile_pieces[t];
+      const float* base = partials + offset;
       for (int64_t i = 0; i < count; ++i) {
         float top = kNegInf;
         for (int64_t p = 0; p < pieces; ++p) top = std::max(top, base[p * stride + i]);
@@ -879,16 +860,14 @@ void run_plan(const Plan& plan, int64_t heads, int64_t kv_heads, int64_t dim, fl
         for (int64_t c = 0; c < dim; ++c) out[(row * heads + head) * dim + c] = sum[c] / total;
       }
     }
-  }
+  });
 }
 
-// Checks shared by the attention operators: q [rows, heads, dim], row_seq/lengths [rows], each row's block table
-// entries within the pool.
-void check_rows(const at::Tensor& q, const at::Tensor& row_seq, const at::Tensor& lengths, const at::Tensor& tables,
-                int64_t kv_heads, int64_t block, int64_t pool_blocks) {
-  TORCH_CHECK(q.dim() == 3, "q must be [rows, heads, dim]");
-  TORCH_CHECK(q.size(1) % kv_heads == 0, q.size(1), " query heads do not group over ", kv_heads, " kv heads");
-  const int64_t rows = q.size(0);
+// Checks shared by the attention operators (and the step): `rows` queries of `heads` heads, row_seq/lengths [rows],
+// each row's block table entries within the pool.
+void check_rows(int64_t rows, int64_t heads, const at::Tensor& row_seq, const at::Tensor& lengths,
+                const at::Tensor& tables, int64_t kv_heads, int64_t block, int64_t pool_blocks) {
+  TORCH_CHECK(heads % kv_heads == 0, heads, " query heads do not group over ", kv_heads, " kv heads");
   TORCH_CHECK(row_seq.numel() == rows && lengths.numel() == rows, "row_seq and lengths must hold one value a row (",
               rows, ")");
   TORCH_CHECK(tables.dim() == 2, "tables must be [sequences, max_blocks]");
@@ -1123,7 +1102,123 @@ void dispatch_bits(int64_t bits, const Body& body) {
 
 }  // namespace
 
+// ==== checks the operators and the step share ====
+
+namespace {
+
+// key_pool, value_pool: [N, kv_heads, B, dim], both fp32 or both fp16.
+void check_float_pool(const at::Tensor& key_pool, const at::Tensor& value_pool) {
+  const at::ScalarType dtype = key_pool.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf, "the pools must be Float or Half, got ", c10::toString(dtype));
+  check_cpu(key_pool, dtype, "key_pool");
+  check_cpu(value_pool, dtype, "value_pool");
+  TORCH_CHECK(key_pool.dim() == 4 && key_pool.sizes() == value_pool.sizes(),
+              "key_pool and value_pool must be [blocks, kv_heads, block, dim]");
+}
+
+// q_norm, k_norm: both absent, or [dim] fp32 each.
+void check_norms(const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, int64_t dim) {
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "give both query and key norms or neither");
+  if (q_norm.has_value()) {
+    check_cpu(*q_norm, at::kFloat, "q_norm");
+    check_cpu(*k_norm, at::kFloat, "k_norm");
+    TORCH_CHECK(q_norm->numel() == dim && k_norm->numel() == dim, "q/k norm weights must have ", dim, " values");
+  }
+}
+
+const float* data_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+// The float pool's store: a slot in the pool for each row.
+void check_slots(const int64_t* slot, int64_t rows, int64_t capacity) {
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < capacity, "slot ", slot[r], " of row ", r, " is outside the pool of ",
+                capacity);
+}
+
+// The quantized pool's store: each row's sequence, position and slot, the slot at the position's offset in its block.
+void check_quant_rows(const QuantPool& p, const int64_t* slot, const int64_t* seq, const int64_t* pos, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(seq[r] >= 0 && seq[r] < p.sequences, "row ", r, " belongs to sequence ", seq[r], ", outside 0..",
+                p.sequences - 1);
+    TORCH_CHECK(pos[r] >= 0, "row ", r, " has position ", pos[r]);
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < p.blocks * p.block, "slot ", slot[r], " of row ", r,
+                " is outside the pool of ", p.blocks * p.block);
+    TORCH_CHECK(slot[r] % p.block == pos[r] % p.block, "slot ", slot[r], " of row ", r, " is not at offset ",
+                pos[r] % p.block, " of its block (position ", pos[r], ")");
+  }
+}
+
+// Each sequence's stored length (the largest of its rows' lengths), and the rotary tables holding them.
+std::vector<int64_t> stored_lengths(const QuantPool& p, const int64_t* seq, const int64_t* length, int64_t rows,
+                                    const at::Tensor& cos_table, const at::Tensor& sin_table) {
+  std::vector<int64_t> stored(p.sequences, 0);
+  for (int64_t r = 0; r < rows; ++r) stored[seq[r]] = std::max(stored[seq[r]], length[r]);
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == p.dim && cos_table.size(0) >= stored[seq[r]] &&
+                    sin_table.sizes() == cos_table.sizes(),
+                "cos_table and sin_table must be [max_positions >= ", stored[seq[r]], ", ", p.dim, "]");
+  return stored;
+}
+
+// The plans of the two pools' attention: a float pool's task is one kv head and a piece of its blocks, a quantized
+// pool's all kv heads of its tile (they share the reads of a unit's rotary rows).
+Plan float_plan(const int64_t* seq, const int64_t* length, int64_t rows, int64_t heads, int64_t kv_heads,
+                int64_t dim, int64_t block) {
+  const int64_t group = heads / kv_heads;
+  return make_plan(make_tiles(seq, length, rows, group), kv_heads, group, dim, block, 1,
+                   [block](const Tile& tile) { return (tile.length + block - 1) / block; });
+}
+
+Plan quant_plan(const QuantPool& p, const int64_t* seq, const int64_t* length, int64_t rows, int64_t heads,
+                int64_t sinks) {
+  const int64_t group = heads / p.kv_heads;
+  const QuantUnits units{sinks, p.block};
+  return make_plan(make_tiles(seq, length, rows, group), p.kv_heads, group, p.dim, p.block, p.kv_heads,
+                   [&units](const Tile& tile) { return units.count(tile.length); });
+}
+
+}  // namespace
+
+// A step's attention plan (operators.h): the plan, and for the quantized pool each sequence's stored length.
+struct AttentionPlan {
+  Plan plan;
+  std::vector<int64_t> stored;
+};
+
 // ==== float pool: rotary embedding + store ====
+
+void paged_rope_store_into(const float* qkv, int64_t rows, const float* cos, const float* sin,
+                           const at::Tensor& key_pool, const at::Tensor& value_pool, const int64_t* slots,
+                           int64_t heads, const float* q_norm, const float* k_norm, double q_eps, double k_eps,
+                           float* q) {
+  const int64_t kv_heads = key_pool.size(1), block = key_pool.size(2), dim = key_pool.size(3);
+  const int64_t width = (heads + 2 * kv_heads) * dim;
+  const auto store = [&](auto* keys, auto* values) {
+    for_rows(rows, width, [&](int64_t first, int64_t last) {
+      thread_local std::vector<float> qk;
+      qk.resize((heads + kv_heads) * dim);
+      for (int64_t r = first; r < last; ++r) {
+        const float* row = qkv + r * width;
+        normalised_row(row, heads, kv_heads, dim, q_norm, k_norm, static_cast<float>(q_eps),
+                       static_cast<float>(k_eps), qk.data());
+        for (int64_t h = 0; h < heads + kv_heads; ++h)
+          rope_row(qk.data() + h * dim, cos + r * dim, sin + r * dim, dim, qk.data() + h * dim);
+        const int64_t b = slots[r] / block, offset = slots[r] % block;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t base = ((b * kv_heads + h) * block + offset) * dim;
+          store_row(qk.data() + (heads + h) * dim, dim, keys + base);
+          store_row(row + (heads + kv_heads + h) * dim, dim, values + base);
+        }
+        std::copy_n(qk.data(), heads * dim, q + r * heads * dim);
+      }
+    });
+  };
+  if (key_pool.scalar_type() == at::kFloat) {
+    store(key_pool.data_ptr<float>(), value_pool.data_ptr<float>());
+  } else {
+    store(key_pool.data_ptr<at::Half>(), value_pool.data_ptr<at::Half>());
+  }
+}
 
 // qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, key_pool, value_pool: [N, kv_heads, B,
 // dim] fp32 or fp16 (written in place), slots: [rows] int64, q_norm, k_norm: [dim] fp32 or both absent
@@ -1139,12 +1234,7 @@ at::Tensor paged_rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, 
   const at::Tensor cos = input(cos_in, at::kFloat, "cos");
   const at::Tensor sin = input(sin_in, at::kFloat, "sin");
   const at::Tensor slots = input(slots_in, at::kLong, "slots");
-  const at::ScalarType dtype = key_pool.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf, "the pools must be Float or Half, got ", c10::toString(dtype));
-  check_cpu(key_pool, dtype, "key_pool");
-  check_cpu(value_pool, dtype, "value_pool");
-  TORCH_CHECK(key_pool.dim() == 4 && key_pool.sizes() == value_pool.sizes(),
-              "key_pool and value_pool must be [blocks, kv_heads, block, dim]");
+  check_float_pool(key_pool, value_pool);
   const int64_t blocks = key_pool.size(0), kv_heads = key_pool.size(1), block = key_pool.size(2),
                 dim = key_pool.size(3);
   const int64_t width = (heads + 2 * kv_heads) * dim;
@@ -1153,103 +1243,50 @@ at::Tensor paged_rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, 
   TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim, "cos and sin must hold ", rows,
               " positions of ", dim, " values");
   TORCH_CHECK(slots.numel() == rows, "slots must hold one slot a row (", rows, ")");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < blocks * block, "slot ", slot[r], " of row ", r, " is outside the pool of ",
-                blocks * block);
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "give both query and key norms or neither");
-  if (q_norm.has_value()) {
-    check_cpu(*q_norm, at::kFloat, "q_norm");
-    check_cpu(*k_norm, at::kFloat, "k_norm");
-    TORCH_CHECK(q_norm->numel() == dim && k_norm->numel() == dim, "q/k norm weights must have ", dim, " values");
-  }
-  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
-  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  check_slots(slots.data_ptr<int64_t>(), rows, blocks * block);
+  check_norms(q_norm, k_norm, dim);
   at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* pc = cos.data_ptr<float>();
-  const float* ps = sin.data_ptr<float>();
-  float* pq = q.data_ptr<float>();
-  const auto store = [&](auto* keys, auto* values) {
-    for_rows(rows, width, [&](int64_t first, int64_t last) {
-      std::vector<float> qk((heads + kv_heads) * dim);
-      for (int64_t r = first; r < last; ++r) {
-        const float* row = src + r * width;
-        normalised_row(row, heads, kv_heads, dim, qn, kn, static_cast<float>(q_eps), static_cast<float>(k_eps),
-                       qk.data());
-        for (int64_t h = 0; h < heads + kv_heads; ++h)
-          rope_row(qk.data() + h * dim, pc + r * dim, ps + r * dim, dim, qk.data() + h * dim);
-        const int64_t b = slot[r] / block, offset = slot[r] % block;
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          const int64_t base = ((b * kv_heads + h) * block + offset) * dim;
-          store_row(qk.data() + (heads + h) * dim, dim, keys + base);
-          store_row(row + (heads + kv_heads + h) * dim, dim, values + base);
-        }
-        std::copy_n(qk.data(), heads * dim, pq + r * heads * dim);
-      }
-    });
-  };
-  if (dtype == at::kFloat) {
-    store(key_pool.data_ptr<float>(), value_pool.data_ptr<float>());
-  } else {
-    store(key_pool.data_ptr<at::Half>(), value_pool.data_ptr<at::Half>());
-  }
+  paged_rope_store_into(qkv.data_ptr<float>(), rows, cos.data_ptr<float>(), sin.data_ptr<float>(), key_pool,
+                        value_pool, slots.data_ptr<int64_t>(), heads, data_or_null(q_norm), data_or_null(k_norm),
+                        q_eps, k_eps, q.data_ptr<float>());
   return q;
 }
 
 // ==== float pool: attention ====
 
-// q: [rows, heads, dim] fp32, key_pool, value_pool: [N, kv_heads, B, dim] fp32 or fp16, tables: [S, M] int32,
-// row_seq, lengths: [rows] int64 -> out: [rows, heads * dim] fp32
-// Attention of each row over positions 0..lengths[r]-1 of its sequence row_seq[r] (grouped-query: query head h reads
-// kv head h / (heads / kv_heads)): softmax(scale * q k^T) v, heads side by side. A task is a tile of rows of one
-// sequence, one kv head and a piece of its blocks; each block's keys and values are read once for the tile's query
-// vectors (fp16 rows converted to fp32 in registers as they are read).
-at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& key_pool, const at::Tensor& value_pool,
-                           const at::Tensor& tables_in, const at::Tensor& row_seq_in, const at::Tensor& lengths_in,
-                           double scale) {
-  const at::Tensor q = input(q_in, at::kFloat, "q");
-  const at::Tensor tables = input(tables_in, at::kInt, "tables");
-  const at::Tensor row_seq = input(row_seq_in, at::kLong, "row_seq");
-  const at::Tensor lengths = input(lengths_in, at::kLong, "lengths");
-  const at::ScalarType dtype = key_pool.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf, "the pools must be Float or Half, got ", c10::toString(dtype));
-  check_cpu(key_pool, dtype, "key_pool");
-  check_cpu(value_pool, dtype, "value_pool");
-  TORCH_CHECK(key_pool.dim() == 4 && key_pool.sizes() == value_pool.sizes(),
-              "key_pool and value_pool must be [blocks, kv_heads, block, dim]");
-  const int64_t kv_heads = key_pool.size(1), block = key_pool.size(2), dim = key_pool.size(3);
-  check_rows(q, row_seq, lengths, tables, kv_heads, block, key_pool.size(0));
-  TORCH_CHECK(q.size(2) == dim, "queries have ", q.size(2), " values per head, the pool ", dim);
-  const int64_t rows = q.size(0), heads = q.size(1), group = heads / kv_heads, max_blocks = tables.size(1);
-  at::Tensor out = at::empty({rows, heads * dim}, q.options());
-  const int64_t* seq = row_seq.data_ptr<int64_t>();
-  const int64_t* length = lengths.data_ptr<int64_t>();
-  const int32_t* table = tables.data_ptr<int32_t>();
-  const float* pq = q.data_ptr<float>();
+void paged_attention_into(const AttentionPlan& step_plan, const float* q, int64_t heads, const at::Tensor& key_pool,
+                          const at::Tensor& value_pool, const int32_t* table, int64_t max_blocks,
+                          const int64_t* length, double scale, float* out, float* partials) {
+  const Plan& plan = step_plan.plan;
+  const int64_t kv_heads = plan.kv_heads, group = plan.group, dim = plan.dim, block = key_pool.size(2);
   const float s = static_cast<float>(scale);
-  const Plan plan = make_plan(make_tiles(seq, length, rows, group), kv_heads, group, dim, block, 1,
-                              [block](const Tile& tile) { return (tile.length + block - 1) / block; });
   const auto attend = [&](auto type) {
     using T = typename decltype(type)::type;
     const T* keys = key_pool.data_ptr<T>();
     const T* values = value_pool.data_ptr<T>();
     with_vecs(dim, [&](auto vecs) {
       constexpr int V = decltype(vecs)::value;
-      run_plan<T>(plan, heads, kv_heads, dim, out.data_ptr<float>(), [&](const Task& task, const Tile& tile,
-                                                                         std::vector<TileState<T>>& states) {
+      run_plan<T>(plan, heads, out, partials, [&](const Task& task, const Tile& tile,
+                                                  std::vector<TileState<T>>& states) {
         TileState<T>& state = states[task.g_begin];
-        state.start(tile, task.g_begin, pq, heads, group, dim, s, length, batch_positions(block));
+        state.start(tile, task.g_begin, q, heads, group, dim, s, length, batch_positions(block));
         thread_local std::vector<float> buffer;  // fp16 keys as fp32 rows for the plain loops (V = 0)
+        const auto base_of = [&](int64_t b) {
+          return ((table[tile.seq * max_blocks + b] * kv_heads + task.g_begin) * block) * dim;
+        };
+        // The blocks kPrefetchBlocks on are asked for as a block is computed, and the first ones at the start: a
+        // decode step's pool comes from memory (the weights streamed through the caches since the last layer read it).
+        const auto prefetch_block = [&](int64_t b) {
+          const int64_t bytes = std::min(block, tile.length - b * block) * dim * sizeof(T);
+          prefetch(keys + base_of(b), bytes);
+          prefetch(values + base_of(b), bytes);
+        };
+        for (int64_t b = task.unit_begin; b < std::min(task.unit_end, task.unit_begin + kPrefetchBlocks); ++b)
+          prefetch_block(b);
         for (int64_t b = task.unit_begin; b < task.unit_end; ++b) {
           const int64_t first = b * block, n = std::min(block, tile.length - first);
-          const int64_t base = ((table[tile.seq * max_blocks + b] * kv_heads + task.g_begin) * block) * dim;
-          if (b + 1 < task.unit_end) {
-            const int64_t next = ((table[tile.seq * max_blocks + b + 1] * kv_heads + task.g_begin) * block) * dim;
-            const int64_t bytes = std::min(block, tile.length - first - block) * dim * sizeof(T);
-            prefetch(keys + next, bytes);
-            prefetch(values + next, bytes);
-          }
+          const int64_t base = base_of(b);
+          if (b + kPrefetchBlocks < task.unit_end) prefetch_block(b + kPrefetchBlocks);
           if (state.full(n)) state.template flush<V>();
           if constexpr (V > 0) {
             state.template add<V>(RowKeys<V, T>{keys + base}, values + base, first, n);
@@ -1265,15 +1302,105 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& key_pool, c
       });
     });
   };
-  if (dtype == at::kFloat) {
+  if (key_pool.scalar_type() == at::kFloat) {
     attend(std::type_identity<float>());
   } else {
     attend(std::type_identity<at::Half>());
   }
+}
+
+// q: [rows, heads, dim] fp32, key_pool, value_pool: [N, kv_heads, B, dim] fp32 or fp16, tables: [S, M] int32,
+// row_seq, lengths: [rows] int64 -> out: [rows, heads * dim] fp32
+// Attention of each row over positions 0..lengths[r]-1 of its sequence row_seq[r] (grouped-query: query head h reads
+// kv head h / (heads / kv_heads)): softmax(scale * q k^T) v, heads side by side. A task is a tile of rows of one
+// sequence, one kv head and a piece of its blocks; each block's keys and values are read once for the tile's query
+// vectors (fp16 rows converted to fp32 in registers as they are read).
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                           const at::Tensor& tables_in, const at::Tensor& row_seq_in, const at::Tensor& lengths_in,
+                           double scale) {
+  const at::Tensor q = input(q_in, at::kFloat, "q");
+  const at::Tensor tables = input(tables_in, at::kInt, "tables");
+  const at::Tensor row_seq = input(row_seq_in, at::kLong, "row_seq");
+  const at::Tensor lengths = input(lengths_in, at::kLong, "lengths");
+  check_float_pool(key_pool, value_pool);
+  const int64_t kv_heads = key_pool.size(1), block = key_pool.size(2), dim = key_pool.size(3);
+  TORCH_CHECK(q.dim() == 3, "q must be [rows, heads, dim]");
+  check_rows(q.size(0), q.size(1), row_seq, lengths, tables, kv_heads, block, key_pool.size(0));
+  TORCH_CHECK(q.size(2) == dim, "queries have ", q.size(2), " values per head, the pool ", dim);
+  const int64_t rows = q.size(0), heads = q.size(1);
+  const AttentionPlan plan{float_plan(row_seq.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows, heads,
+                                      kv_heads, dim, block), {}};
+  at::Tensor out = at::empty({rows, heads * dim}, q.options());
+  std::vector<float> partials(plan.plan.partial_floats);
+  paged_attention_into(plan, q.data_ptr<float>(), heads, key_pool, value_pool, tables.data_ptr<int32_t>(),
+                       tables.size(1), lengths.data_ptr<int64_t>(), scale, out.data_ptr<float>(), partials.data());
   return out;
 }
 
 // ==== quantized pool: rotary embedding + coding store ====
+
+void quant_rope_store_into(const float* qkv, int64_t rows, const float* cos, const float* sin,
+                           const std::vector<at::Tensor>& pool, const int64_t* slot, const int64_t* seq,
+                           const int64_t* pos, int64_t heads, const float* q_norm, const float* k_norm, double q_eps,
+                           double k_eps, int64_t bits, int64_t sinks, float* q) {
+  const QuantPool p = quant_pool(pool, bits, sinks);
+  const int64_t kv_heads = p.kv_heads, block = p.block, dim = p.dim;
+  const int64_t width = (heads + 2 * kv_heads) * dim;
+  const float qe = static_cast<float>(q_eps), ke = static_cast<float>(k_eps);
+  // Queries: independent rows.
+  for_rows(rows, heads * dim, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      float* out = q + r * heads * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = qkv + r * width + h * dim;
+        if (q_norm != nullptr) {
+          norm_row(x, q_norm, qe, dim, out + h * dim);
+        } else {
+          std::copy_n(x, dim, out + h * dim);
+        }
+        rope_row(out + h * dim, cos + r * dim, sin + r * dim, dim, out + h * dim);
+      }
+    }
+  });
+  // Keys and values: per kv head, the rows in order.
+  const int64_t grain = rows * dim >= 4096 ? 1 : kv_heads;
+  parallel_range(0, kv_heads, grain, [&](int64_t begin, int64_t end) {
+    thread_local CoderScratch scratch;
+    thread_local std::vector<float> key;
+    key.resize(dim);
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = qkv + r * width;
+        const float* value = row + (heads + kv_heads + g) * dim;
+        if (k_norm != nullptr) {
+          norm_row(row + (heads + g) * dim, k_norm, ke, dim, key.data());
+        } else {
+          std::copy_n(row + (heads + g) * dim, dim, key.data());
+        }
+        const int64_t s = seq[r], position = pos[r];
+        if (position < sinks) {
+          const int64_t base = ((s * kv_heads + g) * p.sink_capacity + position) * dim;
+          rope_row(key.data(), cos + r * dim, sin + r * dim, dim, key.data());
+          store_row(key.data(), dim, p.sink_keys + base);
+          store_row(value, dim, p.sink_values + base);
+          continue;
+        }
+        const int64_t b = slot[r] / block, offset = slot[r] % block;
+        const int64_t head = b * kv_heads + g, token = head * block + offset;
+        code_value(value, dim, static_cast<int>(bits), p.n_out, scratch, p.value_codes + token * p.width,
+                   p.value_scale + token, p.value_zero + token, p.outlier_values + token * p.n_out,
+                   p.outlier_index + token * p.n_out);
+        const at::Half* residual = p.residual_keys + (s * kv_heads + g) * block * dim;
+        store_row(key.data(), dim, p.residual_keys + ((s * kv_heads + g) * block + offset) * dim);
+        if (offset == block - 1) {  // the block is complete: code its keys from the residual
+          const int64_t first = std::max<int64_t>(sinks - (position - offset), 0);
+          code_key_block(residual, first, block, dim, static_cast<int>(bits), p.width, scratch,
+                         p.key_codes + head * block * p.width, p.key_lo + head * dim, p.key_scale + head * dim);
+        }
+      }
+    }
+  });
+}
 
 // qkv: [rows, (heads + 2 * kv_heads) * dim] fp32, cos, sin: [rows, dim] fp32, pool: the 11 tensors (file header;
 // written in place), slots, row_seq, positions: [rows] int64, q_norm, k_norm: [dim] fp32 or both absent
@@ -1294,144 +1421,44 @@ at::Tensor quant_rope_store(const at::Tensor& qkv_in, const at::Tensor& cos_in, 
   const at::Tensor row_seq = input(row_seq_in, at::kLong, "row_seq");
   const at::Tensor positions = input(positions_in, at::kLong, "positions");
   const QuantPool p = quant_pool(pool, bits, sinks);
-  const int64_t kv_heads = p.kv_heads, block = p.block, dim = p.dim;
-  const int64_t width = (heads + 2 * kv_heads) * dim;
+  const int64_t dim = p.dim, width = (heads + 2 * p.kv_heads) * dim;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width, "qkv must be [rows, ", width, "], got ", qkv.sizes());
   const int64_t rows = qkv.size(0);
   TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim, "cos and sin must hold ", rows,
               " positions of ", dim, " values");
   TORCH_CHECK(slots.numel() == rows && row_seq.numel() == rows && positions.numel() == rows,
               "slots, row_seq and positions must hold one value a row (", rows, ")");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* seq = row_seq.data_ptr<int64_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(seq[r] >= 0 && seq[r] < p.sequences, "row ", r, " belongs to sequence ", seq[r], ", outside 0..",
-                p.sequences - 1);
-    TORCH_CHECK(pos[r] >= 0, "row ", r, " has position ", pos[r]);
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < p.blocks * block, "slot ", slot[r], " of row ", r,
-                " is outside the pool of ", p.blocks * block);
-    TORCH_CHECK(slot[r] % block == pos[r] % block, "slot ", slot[r], " of row ", r, " is not at offset ",
-                pos[r] % block, " of its block (position ", pos[r], ")");
-  }
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "give both query and key norms or neither");
-  if (q_norm.has_value()) {
-    check_cpu(*q_norm, at::kFloat, "q_norm");
-    check_cpu(*k_norm, at::kFloat, "k_norm");
-    TORCH_CHECK(q_norm->numel() == dim && k_norm->numel() == dim, "q/k norm weights must have ", dim, " values");
-  }
-  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
-  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
-  const float qe = static_cast<float>(q_eps), ke = static_cast<float>(k_eps);
+  check_quant_rows(p, slots.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), rows);
+  check_norms(q_norm, k_norm, dim);
   at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* pc = cos.data_ptr<float>();
-  const float* ps = sin.data_ptr<float>();
-  float* pq = q.data_ptr<float>();
-  // Queries: independent rows.
-  for_rows(rows, heads * dim, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      float* out = pq + r * heads * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* x = src + r * width + h * dim;
-        if (qn != nullptr) {
-          norm_row(x, qn, qe, dim, out + h * dim);
-        } else {
-          std::copy_n(x, dim, out + h * dim);
-        }
-        rope_row(out + h * dim, pc + r * dim, ps + r * dim, dim, out + h * dim);
-      }
-    }
-  });
-  // Keys and values: per kv head, the rows in order.
-  const int64_t grain = rows * dim >= 4096 ? 1 : kv_heads;
-  at::parallel_for(0, kv_heads, grain, [&](int64_t begin, int64_t end) {
-    CoderScratch scratch;
-    std::vector<float> key(dim);
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* row = src + r * width;
-        const float* value = row + (heads + kv_heads + g) * dim;
-        if (kn != nullptr) {
-          norm_row(row + (heads + g) * dim, kn, ke, dim, key.data());
-        } else {
-          std::copy_n(row + (heads + g) * dim, dim, key.data());
-        }
-        const int64_t s = seq[r], position = pos[r];
-        if (position < sinks) {
-          const int64_t base = ((s * kv_heads + g) * p.sink_capacity + position) * dim;
-          rope_row(key.data(), pc + r * dim, ps + r * dim, dim, key.data());
-          store_row(key.data(), dim, p.sink_keys + base);
-          store_row(value, dim, p.sink_values + base);
-          continue;
-        }
-        const int64_t b = slot[r] / block, offset = slot[r] % block;
-        const int64_t head = b * kv_heads + g, token = head * block + offset;
-        code_value(value, dim, static_cast<int>(bits), p.n_out, scratch, p.value_codes + token * p.width,
-                   p.value_scale + token, p.value_zero + token, p.outlier_values + token * p.n_out,
-                   p.outlier_index + token * p.n_out);
-        const at::Half* residual = p.residual_keys + (s * kv_heads + g) * block * dim;
-        store_row(key.data(), dim, p.residual_keys + ((s * kv_heads + g) * block + offset) * dim);
-        if (offset == block - 1) {  // the block is complete: code its keys from the residual
-          const int64_t first = std::max<int64_t>(sinks - (position - offset), 0);
-          code_key_block(residual, first, block, dim, static_cast<int>(bits), p.width, scratch,
-                         p.key_codes + head * block * p.width, p.key_lo + head * dim, p.key_scale + head * dim);
-        }
-      }
-    }
-  });
+  quant_rope_store_into(qkv.data_ptr<float>(), rows, cos.data_ptr<float>(), sin.data_ptr<float>(), pool,
+                        slots.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), heads,
+                        data_or_null(q_norm), data_or_null(k_norm), q_eps, k_eps, bits, sinks, q.data_ptr<float>());
   return q;
 }
 
 // ==== quantized pool: attention ====
 
-// q: [rows, heads, dim] fp32, pool: the 11 tensors (file header), tables: [S, M] int32, row_seq, lengths: [rows]
-// int64, cos_table, sin_table: [max_positions, dim] fp32 -> out: [rows, heads * dim] fp32
-// paged_attention over the quantized pool, reading the codes directly (file header): a task covers all kv heads of
-// its tile, batch by batch, so that a batch's rotary rows come from memory once for all of them.
-at::Tensor quant_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& pool, const at::Tensor& tables_in,
-                           const at::Tensor& row_seq_in, const at::Tensor& lengths_in, const at::Tensor& cos_in,
-                           const at::Tensor& sin_in, int64_t bits, int64_t sinks, double scale) {
-  const at::Tensor q = input(q_in, at::kFloat, "q");
-  const at::Tensor tables = input(tables_in, at::kInt, "tables");
-  const at::Tensor row_seq = input(row_seq_in, at::kLong, "row_seq");
-  const at::Tensor lengths = input(lengths_in, at::kLong, "lengths");
-  const at::Tensor cos_table = input(cos_in, at::kFloat, "cos_table");
-  const at::Tensor sin_table = input(sin_in, at::kFloat, "sin_table");
+void quant_attention_into(const AttentionPlan& step_plan, const float* q, int64_t heads,
+                          const std::vector<at::Tensor>& pool, const int32_t* table, int64_t max_blocks,
+                          const int64_t* length, const float* cos_table, const float* sin_table, int64_t bits,
+                          int64_t sinks, double scale, float* out, float* partials) {
+  const Plan& plan = step_plan.plan;
+  const std::vector<int64_t>& stored = step_plan.stored;
   const QuantPool p = quant_pool(pool, bits, sinks);
-  const int64_t kv_heads = p.kv_heads, block = p.block, dim = p.dim;
-  check_rows(q, row_seq, lengths, tables, kv_heads, block, p.blocks);
-  TORCH_CHECK(q.size(2) == dim, "queries have ", q.size(2), " values per head, the pool ", dim);
-  TORCH_CHECK(tables.size(0) == p.sequences, "tables have ", tables.size(0), " sequences, the pool's buffers ",
-              p.sequences);
-  const int64_t rows = q.size(0), heads = q.size(1), group = heads / kv_heads, max_blocks = tables.size(1);
-  const int64_t* seq = row_seq.data_ptr<int64_t>();
-  const int64_t* length = lengths.data_ptr<int64_t>();
-  std::vector<int64_t> stored(p.sequences, 0);  // a sequence's stored length: the largest of its rows' lengths
-  for (int64_t r = 0; r < rows; ++r) stored[seq[r]] = std::max(stored[seq[r]], length[r]);
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == dim && cos_table.size(0) >= stored[seq[r]] &&
-                    sin_table.sizes() == cos_table.sizes(),
-                "cos_table and sin_table must be [max_positions >= ", stored[seq[r]], ", ", dim, "]");
-  at::Tensor out = at::empty({rows, heads * dim}, q.options());
-  const int32_t* table = tables.data_ptr<int32_t>();
-  const float* pq = q.data_ptr<float>();
-  const float* pc = cos_table.data_ptr<float>();
-  const float* ps = sin_table.data_ptr<float>();
+  const int64_t group = plan.group, dim = p.dim;
   const float s = static_cast<float>(scale);
-  const QuantUnits units{sinks, block};
-  const int64_t unit_rows = std::max(block, sinks);
-  const Plan plan = make_plan(make_tiles(seq, length, rows, group), kv_heads, group, dim, block, kv_heads,
-                              [&units](const Tile& tile) { return units.count(tile.length); });
+  const QuantUnits units{sinks, p.block};
+  const int64_t unit_rows = std::max(p.block, sinks);
   dispatch_bits(bits, [&](auto bits_constant) {
     constexpr int kBits = decltype(bits_constant)::value;
     with_vecs(dim, [&](auto vecs) {
       constexpr int V = decltype(vecs)::value;
-      run_plan<float>(plan, heads, kv_heads, dim, out.data_ptr<float>(), [&](const Task& task, const Tile& tile,
-                                                                             std::vector<TileState<float>>& states) {
+      run_plan<float>(plan, heads, out, partials, [&](const Task& task, const Tile& tile,
+                                                      std::vector<TileState<float>>& states) {
         const int64_t ld = batch_positions(unit_rows);
         for (int64_t g = task.g_begin; g < task.g_end; ++g)
-          states[g].start(tile, g, pq, heads, group, dim, s, length, ld);
+          states[g].start(tile, g, q, heads, group, dim, s, length, ld);
         thread_local std::vector<float> buffer;  // values of a batch, keys of a unit (V odd or 0), block ranges
         buffer.resize((ld + unit_rows + 2) * dim);
         float* values = buffer.data();
@@ -1461,8 +1488,8 @@ at::Tensor quant_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
           }
           for (int64_t g = task.g_begin; g < task.g_end; ++g) {
             for (int64_t v = u; v < end; ++v) {
-              add_unit<V, kBits>(states[g], p, units, row, tile.seq, g, v, tile.length, stored[tile.seq], pc, ps, keys,
-                                 values, scratch);
+              add_unit<V, kBits>(states[g], p, units, row, tile.seq, g, v, tile.length, stored[tile.seq], cos_table,
+                                 sin_table, keys, values, scratch);
             }
             states[g].template flush<V>();
           }
@@ -1470,8 +1497,102 @@ at::Tensor quant_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
       });
     });
   });
+}
+
+// q: [rows, heads, dim] fp32, pool: the 11 tensors (file header), tables: [S, M] int32, row_seq, lengths: [rows]
+// int64, cos_table, sin_table: [max_positions, dim] fp32 -> out: [rows, heads * dim] fp32
+// paged_attention over the quantized pool, reading the codes directly (file header): a task covers all kv heads of
+// its tile, batch by batch, so that a batch's rotary rows come from memory once for all of them.
+at::Tensor quant_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& pool, const at::Tensor& tables_in,
+                           const at::Tensor& row_seq_in, const at::Tensor& lengths_in, const at::Tensor& cos_in,
+                           const at::Tensor& sin_in, int64_t bits, int64_t sinks, double scale) {
+  const at::Tensor q = input(q_in, at::kFloat, "q");
+  const at::Tensor tables = input(tables_in, at::kInt, "tables");
+  const at::Tensor row_seq = input(row_seq_in, at::kLong, "row_seq");
+  const at::Tensor lengths = input(lengths_in, at::kLong, "lengths");
+  const at::Tensor cos_table = input(cos_in, at::kFloat, "cos_table");
+  const at::Tensor sin_table = input(sin_in, at::kFloat, "sin_table");
+  const QuantPool p = quant_pool(pool, bits, sinks);
+  TORCH_CHECK(q.dim() == 3, "q must be [rows, heads, dim]");
+  check_rows(q.size(0), q.size(1), row_seq, lengths, tables, p.kv_heads, p.block, p.blocks);
+  TORCH_CHECK(q.size(2) == p.dim, "queries have ", q.size(2), " values per head, the pool ", p.dim);
+  TORCH_CHECK(tables.size(0) == p.sequences, "tables have ", tables.size(0), " sequences, the pool's buffers ",
+              p.sequences);
+  const int64_t rows = q.size(0), heads = q.size(1);
+  const int64_t* seq = row_seq.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const AttentionPlan plan{quant_plan(p, seq, length, rows, heads, sinks),
+                           stored_lengths(p, seq, length, rows, cos_table, sin_table)};
+  at::Tensor out = at::empty({rows, heads * p.dim}, q.options());
+  std::vector<float> partials(plan.plan.partial_floats);
+  quant_attention_into(plan, q.data_ptr<float>(), heads, pool, tables.data_ptr<int32_t>(), tables.size(1), length,
+                       cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), bits, sinks, scale,
+                       out.data_ptr<float>(), partials.data());
   return out;
 }
+
+// ==== the step's attention: its checks and its plan ====
+
+void check_pool_layer(const std::vector<at::Tensor>& pool, bool quantized, int64_t bits, int64_t sinks,
+                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm) {
+  if (quantized) {
+    check_norms(q_norm, k_norm, quant_pool(pool, bits, sinks).dim);
+    return;
+  }
+  TORCH_CHECK(pool.size() == 2, "a float pool's layer is its keys and values");
+  check_float_pool(pool[0], pool[1]);
+  check_norms(q_norm, k_norm, pool[0].size(3));
+}
+
+void check_step_rows(const std::vector<at::Tensor>& pool, bool quantized, int64_t bits, int64_t sinks, int64_t heads,
+                     int64_t rows, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                     const at::Tensor& row_seq, const at::Tensor& positions, const at::Tensor& lengths,
+                     const at::Tensor& tables, const at::Tensor& cos_table, const at::Tensor& sin_table) {
+  check_cpu(cos, at::kFloat, "cos");
+  check_cpu(sin, at::kFloat, "sin");
+  for (const auto& [t, name] : {std::pair{&slots, "slots"}, {&row_seq, "row_seq"}, {&positions, "positions"},
+                                {&lengths, "lengths"}}) {
+    check_cpu(*t, at::kLong, name);
+    TORCH_CHECK(t->numel() == rows, name, " must hold one value a row (", rows, ")");
+  }
+  check_cpu(tables, at::kInt, "tables");
+  const int64_t* seq = row_seq.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  int64_t kv_heads, block, blocks, dim;
+  if (quantized) {
+    const QuantPool p = quant_pool(pool, bits, sinks);
+    kv_heads = p.kv_heads, block = p.block, blocks = p.blocks, dim = p.dim;
+    check_quant_rows(p, slots.data_ptr<int64_t>(), seq, positions.data_ptr<int64_t>(), rows);
+    TORCH_CHECK(tables.size(0) == p.sequences, "tables have ", tables.size(0), " sequences, the pool's buffers ",
+                p.sequences);
+    check_cpu(cos_table, at::kFloat, "cos_table");
+    check_cpu(sin_table, at::kFloat, "sin_table");
+    stored_lengths(p, seq, length, rows, cos_table, sin_table);
+  } else {
+    kv_heads = pool[0].size(1), block = pool[0].size(2), blocks = pool[0].size(0), dim = pool[0].size(3);
+    check_slots(slots.data_ptr<int64_t>(), rows, blocks * block);
+  }
+  TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim, "cos and sin must hold ", rows,
+              " positions of ", dim, " values");
+  check_rows(rows, heads, row_seq, lengths, tables, kv_heads, block, blocks);
+}
+
+std::shared_ptr<const AttentionPlan> plan_attention(const std::vector<at::Tensor>& pool, bool quantized, int64_t bits,
+                                                    int64_t sinks, int64_t heads, const at::Tensor& row_seq,
+                                                    const at::Tensor& lengths, const at::Tensor& cos_table,
+                                                    const at::Tensor& sin_table) {
+  const int64_t rows = row_seq.numel();
+  const int64_t* seq = row_seq.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  if (!quantized)
+    return std::make_shared<const AttentionPlan>(AttentionPlan{
+        float_plan(seq, length, rows, heads, pool[0].size(1), pool[0].size(3), pool[0].size(2)), {}});
+  const QuantPool p = quant_pool(pool, bits, sinks);
+  return std::make_shared<const AttentionPlan>(AttentionPlan{
+      quant_plan(p, seq, length, rows, heads, sinks), stored_lengths(p, seq, length, rows, cos_table, sin_table)});
+}
+
+int64_t attention_partial_floats(const AttentionPlan& plan) { return plan.plan.partial_floats; }
 
 // pool: the 11 tensors (file header), table: [M] int32, cos_table, sin_table: [max_positions, dim] fp32
 // -> (keys, values): [kv_heads, length, dim] fp32 each
