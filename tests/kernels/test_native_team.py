@@ -11,7 +11,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import llmeasyquant as lq
 from llmeasyquant.kernels import native
-from llmeasyquant.kernels.cpu import NativeInt4DigitsKernel, NativeInt8Int8Kernel, NativeInt8WeightOnlyKernel
+from llmeasyquant.kernels.cpu import (
+    NativeInt4DigitsKernel,
+    NativeInt4Int8Kernel,
+    NativeInt8Int8Kernel,
+    NativeInt8WeightOnlyKernel,
+)
 from llmeasyquant.nn.kv.config import KVQuantConfig
 from llmeasyquant.runtime.batch import BatchDecoder
 from llmeasyquant.runtime.kv_pool import FloatPool, QuantPool, Shape
@@ -41,7 +46,9 @@ def wide_llama(hidden: int = 128, heads: int = 4, kv_heads: int = 2) -> torch.nn
 CASES = [("w8a8", NativeInt8Int8Kernel.name, "llama"), ("w8a8", NativeInt8Int8Kernel.name, "qwen2"),
          ("w8a16", NativeInt8WeightOnlyKernel.name, "qwen3"), ("w8a16", NativeInt8WeightOnlyKernel.name, "wide"),
          ("w4a16-g32", NativeInt4DigitsKernel.name, "qwen2"), ("w4a16-g32-asym", NativeInt4DigitsKernel.name, "llama"),
-         ("w4a16-g64", NativeInt4DigitsKernel.name, "wide"), ("w4a16-g64-asym", NativeInt4DigitsKernel.name, "wide")]
+         ("w4a16-g64", NativeInt4DigitsKernel.name, "wide"), ("w4a16-g64-asym", NativeInt4DigitsKernel.name, "wide"),
+         ("w4a8", NativeInt4Int8Kernel.name, "llama"), ("w4a8-g32", NativeInt4Int8Kernel.name, "qwen2"),
+         ("w4a8-ag32-g32", NativeInt4Int8Kernel.name, "qwen3"), ("w4a4-ag32-g32", NativeInt4Int8Kernel.name, "wide")]
 POOLS = ["float32", "float16", "simquant4"]
 
 
@@ -150,9 +157,12 @@ def test_steps_the_team_does_not_cover_run_operator_by_operator(monkeypatch):
     assert not program.team_covers(1, 0, program.blocks())
 
 
-def test_w8a16_with_zero_points_keeps_its_pytorch_term_off_the_team(monkeypatch):
-    monkeypatch.setenv("LLMEASYQUANT_KERNEL", NativeInt8WeightOnlyKernel.name)
-    model = quantized("w8a16-asym", "llama")
+@pytest.mark.parametrize(("scheme", "kernel"), [("w8a16-asym", NativeInt8WeightOnlyKernel.name),
+                                                 ("w4a8-aasym", NativeInt4Int8Kernel.name)])
+def test_zero_point_terms_on_pytorch_operators_keep_a_linear_off_the_team(scheme, kernel, monkeypatch):
+    # W8A16's asymmetric weights and W4A8's asymmetric activations take a rank-1 correction of PyTorch operators
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL", kernel)
+    model = quantized(scheme, "llama")
     parts = DecoderParts(model, CONTEXT)
     program = BatchDecoder(parts, make_pool(parts, "float32")).native_step(1).program
     assert not program.team_covers(1, 0, program.blocks())

@@ -648,7 +648,7 @@ inline int32_t four_bytes(const int8_t* p) {
 // serves T tiles, each unpacked block of weights R rows.
 template <int R, int T>
 void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t stride, const int32_t* sums,
-                const float* x_scales, int64_t xg, float* y, int64_t out_stride) {
+                const float* x_scales, int64_t xg, float* y, int64_t ldy, const Epilogue& epilogue) {
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
   __m512 total[T][R];
   __m512i acc[T][R];
@@ -690,13 +690,14 @@ void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t 
   }
   for (int k = 0; k < T; ++k) {
     const int64_t valid = std::min<int64_t>(16, w.out - (t + k) * 16);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 scale = _mm512_loadu_ps(w.scales + (t + k) * 16);
     for (int r = 0; r < R; ++r) {
       const __m512 xs = _mm512_set1_ps(xg > 1 ? 1.0f : x_scales[r]);
       const __m512 result = w.groups > 1 ? (xg > 1 ? total[k][r] : _mm512_mul_ps(total[k][r], xs))
                                          : _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[k][r]), xs), scale);
-      _mm512_mask_storeu_ps(y + r * out_stride + (t + k) * 16, mask, result);
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, result);
+      for (int64_t j = 0; j < valid; ++j) put(epilogue, y + r * ldy, (t + k) * 16 + j, lanes[j]);
     }
   }
 }
@@ -704,7 +705,8 @@ void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t 
 
 // The same arithmetic one value at a time, for CPUs without AVX-512.
 void w4a8_tile_scalar(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t* qx, int64_t stride,
-                      const int32_t* sums, const float* x_scales, int64_t xg, float* y, int64_t out_stride) {
+                      const int32_t* sums, const float* x_scales, int64_t xg, float* y, int64_t ldy,
+                      const Epilogue& epilogue) {
   const int64_t padded = w.tiles * 16;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < 16 && t * 16 + j < w.out; ++j) {
@@ -725,8 +727,8 @@ void w4a8_tile_scalar(const Int4TiledWeights& w, int64_t t, int64_t rows, const 
         const float both = xg > 1 ? w.scales[g * padded + o] * x_scales[r * xg + g] : w.scales[g * padded + o];
         if (w.groups > 1) total = std::fma(static_cast<float>(acc), both, total);
       }
-      y[r * out_stride + o] = w.groups > 1 ? (xg > 1 ? total : total * x_scales[r])
-                                           : static_cast<float>(acc) * x_scales[r] * w.scales[o];
+      put(epilogue, y + r * ldy, o, w.groups > 1 ? (xg > 1 ? total : total * x_scales[r])
+                                                 : static_cast<float>(acc) * x_scales[r] * w.scales[o]);
     }
 }
 
@@ -746,16 +748,91 @@ constexpr int64_t kW4A8AmxRows = 32, kW4A8AmxTiles = 32;
 // Every row of y [rows, out] for tiles t..t+T-1: R rows per call, then the rest one at a time.
 template <int R, int T>
 void w4a8_rows(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t* qx, int64_t stride,
-               const int32_t* sums, const float* x_scales, int64_t xg, float* y) {
+               const int32_t* sums, const float* x_scales, int64_t xg, float* y, int64_t ldy,
+               const Epilogue& epilogue) {
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    w4a8_tiles<R, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r * xg, xg, y + r * w.out,
-                     w.out);
+    w4a8_tiles<R, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r * xg, xg, y + r * ldy, ldy,
+                     epilogue);
   for (; r < rows; ++r)
-    w4a8_tiles<1, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r * xg, xg, y + r * w.out,
-                     w.out);
+    w4a8_tiles<1, T>(w, t, qx + r * stride, stride, sums + r * w.groups, x_scales + r * xg, xg, y + r * ldy, ldy,
+                     epilogue);
 }
 #endif
+
+}  // namespace
+
+// qx: [rows, in] int8, x_scales: [rows, 1] fp32 (or [rows, groups]: one activation scale per row and weight group),
+// tiled: [tiles, blocks, 16, 4] uint8, scales: [groups, tiles * 16] fp32, offsets: [groups, tiles * 16] int32 ->
+// y: [rows, out] fp32
+// y = (qx times the int4 weights) scaled, as kernels/reference.py's integer product computes it: exact int32 sums
+// per group. group_size is a multiple of 8 (or covers the row); columns past `in` up to the block are zero in qx.
+// amx: 1 takes AMX's tiles (w4a8_amx.cpp, the same bits) for calls large enough to gain, 0 never, 2 whenever the CPU
+// has them (tests).
+namespace {
+
+// The tiled weights of a W4A8 layer for rows of `width` columns, as int4_int8_matmul takes them (checked).
+Int4TiledWeights int4_tiled_weights(int64_t width, const at::Tensor& tiled, const at::Tensor& scales,
+                                    const at::Tensor& offsets, int64_t group_size, int64_t out_features) {
+  check_cpu(tiled, at::kByte, "tiled");
+  check_cpu(scales, at::kFloat, "scales");
+  check_cpu(offsets, at::kInt, "offsets");
+  TORCH_CHECK(tiled.dim() == 4 && tiled.size(2) == 16 && tiled.size(3) == 4, "tiled must be [tiles, blocks, 16, 4]");
+  const int64_t tiles = tiled.size(0), blocks = tiled.size(1);
+  TORCH_CHECK(blocks == (width + 7) / 8, "tiled has ", blocks, " blocks of 8 columns, x has ", width, " columns");
+  TORCH_CHECK(group_size > 0 && (group_size % 8 == 0 || group_size >= width),
+              "group size must be a multiple of 8 or cover the row, got ", group_size);
+  TORCH_CHECK(out_features > 0 && out_features <= tiles * 16, "out_features must fit the tiles");
+  const int64_t span = group_size >= width ? blocks * 8 : group_size, groups = (blocks * 8 + span - 1) / span;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == tiles * 16 &&
+                  offsets.sizes() == scales.sizes(),
+              "scales and offsets must be [groups, tiles * 16] = [", groups, ", ", tiles * 16, "]");
+  return {tiled.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>(), tiles, blocks, groups,
+          span, out_features};
+}
+
+// y = qx times the W4A8 weights for qx [rows, stride] (stride = blocks * 8, zero past the row) and x_scales [rows,
+// xg], on the VNNI loop (or its scalar form), through the epilogue.
+void w4a8_matmul(const Int4TiledWeights& w, const int8_t* qx, const float* x_scales, int64_t xg, int64_t rows,
+                 int64_t stride, float* y, int64_t ldy, const Epilogue& epilogue) {
+  // Each row's activation sum per group (the offsets' term); a team's threads each make their own (a decode step's
+  // few rows), in a buffer they keep.
+  thread_local std::vector<int32_t> kept;
+  std::vector<int32_t> local;
+  std::vector<int32_t>& sums = llmeasyquant::team::current != nullptr ? kept : local;
+  sums.assign(rows * w.groups, 0);
+  on_own([&] {
+    for_rows(rows, stride, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r)
+        for (int64_t g = 0; g < w.groups; ++g) {
+          int32_t sum = 0;
+          const int8_t* part = qx + r * stride + g * w.group_size;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t i = 0; i < std::min(w.group_size, stride - g * w.group_size); ++i) sum += part[i];
+          sums[r * w.groups + g] = sum;
+        }
+    });
+  });
+  parallel_range(0, w.tiles, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end;) {
+#if defined(CPU_CAPABILITY_AVX512)
+      if (rows < kW4A8PairRows && t + kW4A8DecodeTiles <= end) {
+        w4a8_rows<1, kW4A8DecodeTiles>(w, t, rows, qx, stride, sums.data(), x_scales, xg, y, ldy, epilogue);
+        t += kW4A8DecodeTiles;
+      } else if (t + 1 < end) {  // two tiles per broadcast of activations (fewer broadcasts per sum: measured faster)
+        w4a8_rows<kW4A8PairRows, 2>(w, t, rows, qx, stride, sums.data(), x_scales, xg, y, ldy, epilogue);
+        t += 2;
+      } else {
+        w4a8_rows<kW4A8Rows, 1>(w, t, rows, qx, stride, sums.data(), x_scales, xg, y, ldy, epilogue);
+        ++t;
+      }
+#else
+      w4a8_tile_scalar(w, t, rows, qx, stride, sums.data(), x_scales, xg, y, ldy, epilogue);
+      ++t;
+#endif
+    }
+  });
+}
 
 }  // namespace
 
@@ -771,71 +848,41 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
                             int64_t out_features, int64_t amx) {
   const at::Tensor qx_dense = input(qx_in, at::kChar, "qx");
   const at::Tensor x_scales = input(x_scales_in, at::kFloat, "x_scales");
-  check_cpu(tiled, at::kByte, "tiled");
-  check_cpu(scales, at::kFloat, "scales");
-  check_cpu(offsets, at::kInt, "offsets");
   TORCH_CHECK(qx_dense.dim() == 2 && (qx_dense.size(0) == 0 ? x_scales.numel() == 0
                                                              : x_scales.numel() % qx_dense.size(0) == 0),
               "qx [rows, in] needs x_scales [rows, 1] or [rows, groups]");
-  TORCH_CHECK(tiled.dim() == 4 && tiled.size(2) == 16 && tiled.size(3) == 4, "tiled must be [tiles, blocks, 16, 4]");
-  const int64_t rows = qx_dense.size(0), width = qx_dense.size(1), tiles = tiled.size(0), blocks = tiled.size(1);
-  TORCH_CHECK(blocks == (width + 7) / 8, "tiled has ", blocks, " blocks of 8 columns, x has ", width, " columns");
-  TORCH_CHECK(group_size > 0 && (group_size % 8 == 0 || group_size >= width),
-              "group size must be a multiple of 8 or cover the row, got ", group_size);
-  TORCH_CHECK(out_features > 0 && out_features <= tiles * 16, "out_features must fit the tiles");
   TORCH_CHECK(amx >= 0 && amx <= 2, "amx must be 0 (never), 1 (large calls) or 2 (always), got ", amx);
-  const int64_t span = group_size >= width ? blocks * 8 : group_size, groups = (blocks * 8 + span - 1) / span;
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == tiles * 16 &&
-                  offsets.sizes() == scales.sizes(),
-              "scales and offsets must be [groups, tiles * 16] = [", groups, ", ", tiles * 16, "]");
+  const int64_t rows = qx_dense.size(0), width = qx_dense.size(1);
+  const Int4TiledWeights w = int4_tiled_weights(width, tiled, scales, offsets, group_size, out_features);
   const int64_t xg = rows > 0 ? x_scales.numel() / rows : 1;  // activation scales a row: 1, or one a weight group
-  TORCH_CHECK(xg == 1 || (xg == groups && groups > 1), "x_scales must be [rows, 1] or [rows, groups] = [", rows,
-              ", ", groups, "], got ", xg, " a row");
+  TORCH_CHECK(xg == 1 || (xg == w.groups && w.groups > 1), "x_scales must be [rows, 1] or [rows, groups] = [", rows,
+              ", ", w.groups, "], got ", xg, " a row");
   // Rows padded to whole blocks with zero codes.
   at::Tensor qx = qx_dense;
-  if (width % 8 != 0) qx = at::constant_pad_nd(qx_dense, {0, blocks * 8 - width}, 0);
-  const int64_t stride = blocks * 8;
+  if (width % 8 != 0) qx = at::constant_pad_nd(qx_dense, {0, w.blocks * 8 - width}, 0);
+  const int64_t stride = w.blocks * 8;
   const int8_t* pq = qx.data_ptr<int8_t>();
-  const Int4TiledWeights w{tiled.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>(), tiles,
-                           blocks, groups, span, out_features};
   at::Tensor y = at::empty({rows, out_features}, x_scales.options());
   float* py = y.data_ptr<float>();
   const float* pxs = x_scales.data_ptr<float>();
-  const bool large = rows >= kW4A8AmxRows && tiles >= kW4A8AmxTiles;
+  const bool large = rows >= kW4A8AmxRows && w.tiles >= kW4A8AmxTiles;
   // The AMX strips scale each row once (one activation scale a row); activation groups take the VNNI loop.
   if (xg == 1 && (amx == 2 || (amx == 1 && large)) && int4_int8_matmul_amx(w, pq, rows, stride, pxs, py)) return y;
-  // Each row's activation sum per group (the offsets' term).
-  std::vector<int32_t> sums(rows * groups, 0);
-  for_rows(rows, stride, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t sum = 0;
-        const int8_t* part = pq + r * stride + g * span;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < std::min(span, stride - g * span); ++i) sum += part[i];
-        sums[r * groups + g] = sum;
-      }
-  });
-  at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end;) {
-#if defined(CPU_CAPABILITY_AVX512)
-      if (rows < kW4A8PairRows && t + kW4A8DecodeTiles <= end) {
-        w4a8_rows<1, kW4A8DecodeTiles>(w, t, rows, pq, stride, sums.data(), pxs, xg, py);
-        t += kW4A8DecodeTiles;
-      } else if (t + 1 < end) {  // two tiles per broadcast of activations (fewer broadcasts per sum: measured faster)
-        w4a8_rows<kW4A8PairRows, 2>(w, t, rows, pq, stride, sums.data(), pxs, xg, py);
-        t += 2;
-      } else {
-        w4a8_rows<kW4A8Rows, 1>(w, t, rows, pq, stride, sums.data(), pxs, xg, py);
-        ++t;
-      }
-#else
-      w4a8_tile_scalar(w, t, rows, pq, stride, sums.data(), pxs, xg, py, out_features);
-      ++t;
-#endif
-    }
-  });
+  w4a8_matmul(w, pq, pxs, xg, rows, stride, py, out_features, Epilogue{});
   return y;
+}
+
+void check_int4_int8(int64_t width, const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& offsets,
+                     int64_t group_size, int64_t out_features) {
+  TORCH_CHECK(width % 8 == 0, "the step form of W4A8 takes rows of whole blocks of 8 columns, got ", width);
+  int4_tiled_weights(width, tiled, scales, offsets, group_size, out_features);
+}
+
+void int4_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t xg, int64_t rows, int64_t width,
+                           const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& offsets,
+                           int64_t group_size, int64_t out_features, float* y, int64_t ldy, const Epilogue& epilogue) {
+  w4a8_matmul(int4_tiled_weights(width, tiled, scales, offsets, group_size, out_features), qx, x_scales, xg, rows,
+              width, y, ldy, epilogue);
 }
 
 // ==== W4A16 on integer dot products: the activations as 16-bit fixed point in two int8 digits ====

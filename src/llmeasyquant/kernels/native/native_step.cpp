@@ -81,10 +81,23 @@ bool has_step_form(const StepLinear& l) {
         return false;
       }
       return l.a.size(0) == l.out_features;
+    case kInt4Int8:  // symmetric activation codes (zero points take a PyTorch product), per token or per group
+      if (l.d.defined() || l.act_qmax < 1 || l.act_qmax > 127 || (l.act_group > 0 && l.in_features % l.act_group))
+        return false;
+      try {
+        check_int4_int8(l.in_features, l.a, l.b, l.c, l.group_size, l.out_features);
+      } catch (const c10::Error&) {
+        return false;
+      }
+      // one activation scale a row, or one a weight group (int4_int8_matmul's two forms)
+      return l.act_group == 0 || l.act_group == l.group_size;
     default:
       return false;
   }
 }
+
+// The activation scales a row of a W4A8 linear takes: one, or one a group of act_group columns.
+int64_t activation_groups(const StepLinear& l) { return l.act_group > 0 ? l.in_features / l.act_group : 1; }
 
 // The team's switch when a program is built: LLMEASYQUANT_STEP_TEAM=0 turns it off.
 bool team_wanted() {
@@ -326,7 +339,7 @@ void StepProgram::run_team(at::Tensor& x, const StepRows& rows, int64_t first, i
   step.attention.resize(n * attention);
   step.gate_up.resize(n * gate_up);
   step.act.resize(n * gate_up / 2);
-  step.row_scales.resize(n);
+  step.row_scales.resize(n * widest);  // W4A8 with activation groups: one a group (at least 8 columns) a row
   step.codes.resize(n * widest);
   step.plan = plan_attention(layout.pool, quantized_pool_, bits_, sinks_, heads_, rows.row_seq, rows.lengths,
                              cos_table_, sin_table_);
@@ -406,6 +419,14 @@ void StepProgram::team_project(const StepBlock& block, int64_t which, const floa
         int4_digits_matmul_into(in, step.rows, l.in_features, l.a, l.b, optional(l.c), l.group_size, y, ldo,
                                 epilogue);
         break;
+      case kInt4Int8: {  // int4_int8_linear's codes: each row (or each group of a row) quantized on its own
+        const int64_t groups = activation_groups(l);
+        quantize_rows_into(in, step.rows * groups, l.in_features / groups, min_scale_, l.act_qmax, step.codes.data(),
+                           step.row_scales.data());
+        int4_int8_matmul_into(step.codes.data(), step.row_scales.data(), groups, step.rows, l.in_features, l.a, l.b,
+                              l.c, l.group_size, l.out_features, y, ldo, epilogue);
+        break;
+      }
       default:  // team_covers let in only the kinds above
         break;
     }

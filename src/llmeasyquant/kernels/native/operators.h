@@ -101,6 +101,14 @@ at::Tensor int4_levels_matmul(const at::Tensor& x_in, const at::Tensor& packed, 
 at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& tiled,
                             const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
                             int64_t out_features, int64_t amx);
+// The checks of int4_int8_matmul's weights for rows of `width` columns, a multiple of 8 (the step form's).
+void check_int4_int8(int64_t width, const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& offsets,
+                     int64_t group_size, int64_t out_features);
+// qx: [rows, width] int8, x_scales: [rows, xg] fp32 (xg: 1, or the weights' groups), the weights as check_int4_int8
+// takes them; y as int8_weight_matmul_into's (never on AMX: the step's few rows take the VNNI loop)
+void int4_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t xg, int64_t rows, int64_t width,
+                           const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& offsets,
+                           int64_t group_size, int64_t out_features, float* y, int64_t ldy, const Epilogue& epilogue);
 // Whether this CPU and OS run AMX's int8 tiles (w4a8_amx.cpp)
 bool amx_int8_usable();
 // qx: [rows, in] int8, x_scales: [rows, 1] fp32, q: [out, in] int8, w_scales: [out] fp32, w_sums: [out] int32
