@@ -35,7 +35,7 @@ def wide_llama(hidden: int = 128, heads: int = 4, kv_heads: int = 2) -> torch.nn
                          num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=256,
                          max_position_embeddings=2048)
     model = LlamaForCausalLM(config).eval()
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if param.dim() == 1:
             param.data.normal_(1.0, 0.2)
     return model

@@ -1,6 +1,6 @@
 // Paged KV-cache operators of the serving engine's continuous batching: store a step's keys and values into a pool
 // of blocks and attend over the pool, for a float pool and for the SimQuant-coded pool (kernels/native.py builds this
-// file with the others; bindings.cpp registers the operators; kernels/paged_reference.py is the PyTorch oracle with
+// file with the others; bindings.cpp registers the operators; runtime/paged_reference.py is the PyTorch oracle with
 // the same names, arguments and results).
 //
 // Paging. A layer's cache is a pool of N blocks of B positions. A running sequence has a slot s in 0..S-1 and a block

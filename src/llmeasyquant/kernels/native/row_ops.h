@@ -12,7 +12,7 @@
 namespace {
 
 // y = weight * (x * (1 / sqrt(mean(x^2) + eps))) over one row of `width` values; y may be x. The squares are summed
-// in double, where each is exact, so the result hardly depends on the order of the sum: kernels/paged_reference.py
+// in double, where each is exact, so the result hardly depends on the order of the sum: runtime/paged_reference.py
 // (PyTorch's reduction in double) gets the same normalised keys bit for bit (the quantized pool codes them: their
 // codes must match), and the sum may run in vector lanes.
 void norm_row(const float* x, const float* weight, float eps, int64_t width, float* y) {
