@@ -76,12 +76,17 @@ def test_dequantize_rows_is_bit_identical(ops, count):
 
 
 @pytest.mark.parametrize("count", [3, 300])
-def test_rms_norm_and_silu_mul_match_pytorch(ops, count):
+def test_rms_norm_and_gate_mul_match_pytorch(ops, count):
     x, weight = rows(count, 576), torch.randn(576)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), F.rms_norm(x, (576,), weight, 1e-6))
-    gate_up = rows(count, 2 * 96)
+    gate_up = rows(count, 2 * 96) * 3  # gates out to where GELU's tanh saturates
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
+    assert set(ops.GATE_ACTIVATIONS) == {"silu", "gelu_tanh"}
+    torch.testing.assert_close(ops.gate_mul(gate_up, ops.GATE_ACTIVATIONS["silu"]), F.silu(gate) * up)
+    torch.testing.assert_close(ops.gate_mul(gate_up, ops.GATE_ACTIVATIONS["gelu_tanh"]),
+                               F.gelu(gate, approximate="tanh") * up)
+    with pytest.raises(RuntimeError, match="unknown gate activation"):
+        ops.gate_mul(gate_up, len(ops.GATE_ACTIVATIONS))
     torch.testing.assert_close(ops.rms_norm(x.t().contiguous().t(), weight, 1e-6), ops.rms_norm(x, weight, 1e-6))
 
 
@@ -191,9 +196,9 @@ def test_fused_runs_match_pytorch_runs(ops, family):
 
 def test_fused_steps_are_refused_where_not_covered(ops, monkeypatch):
     model = family_model("llama")
-    model.config.hidden_act = "gelu"  # they compute SiLU
+    model.config.hidden_act = "gelu"  # GELU's exact (erf) form: they compute SiLU and GELU's tanh form
     assert LeanDecoder(model, 8).fused_ops is None
-    assert LeanDecoder(family_model("gemma"), 8).fused_ops is None  # GELU by its config
+    assert LeanDecoder(family_model("gemma"), 8).fused_ops is not None  # gelu_pytorch_tanh by its config
     monkeypatch.setenv("LLMEASYQUANT_NATIVE", "0")
     assert native.ops() is None
     assert LeanDecoder(family_model("llama"), 8).fused_ops is None

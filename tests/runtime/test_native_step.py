@@ -100,7 +100,7 @@ def test_the_kernels_cover_every_step_kind(monkeypatch):
     assert covered == set(native.ops().STEP_KINDS)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"])
 @pytest.mark.parametrize("scheme", ["fp32", "w8a8", "w4a16-g32-asym"])
 def test_every_family_gives_the_python_forwards_bits(family, scheme, monkeypatch):
     # qwen2: biases on q, k, v; qwen3: a norm on each query and key head; phi3: q/k/v and gate/up fused as stored.
@@ -164,8 +164,11 @@ def test_the_profiler_sees_each_operator_and_the_switch_turns_it_off():
 
 def test_a_wrong_argument_list_is_refused():
     ops = native.ops()
-    program = ops.StepProgram(2, 1.0, False, torch.zeros(1, 1, dtype=torch.int32), torch.empty(0), torch.empty(0),
-                              0, 0, 1e-8)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="unknown gate activation"):
+        ops.StepProgram(2, 1.0, False, tables, torch.empty(0), torch.empty(0), 0, 0, 1e-8, 7)
+    program = ops.StepProgram(2, 1.0, False, tables, torch.empty(0), torch.empty(0), 0, 0, 1e-8,
+                              ops.GATE_ACTIVATIONS["silu"])
     with pytest.raises(RuntimeError, match="add a block before"):
         program.add_linear(0, 0, [torch.zeros(2, 2)] + [None] * 4, [0] * 7)
     with pytest.raises(RuntimeError, match="4 norms"):

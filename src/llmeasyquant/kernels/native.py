@@ -1,7 +1,7 @@
 """The fused C++ operators of the lean loop and the CPU kernels (native/), compiled on first use.
 
 The sources, split by purpose, build one extension module: native/decoder_ops.cpp (the decoder's operators: RMS norm,
-rotary embedding and cache write, attention, SiLU x up, int8 rows of activations), native/matmul_kernels.cpp (the
+rotary embedding and cache write, attention, act(gate) x up, int8 rows of activations), native/matmul_kernels.cpp (the
 W8A16 and W4A16 weight-only matmuls, the W4A8 and W8A8 integer matmuls), native/w4a8_amx.cpp (W4A8 for a prompt's
 rows on AMX's int8 tiles where the CPU has them; native/w4a8_tiles.h is the weight layout the two share),
 native/native_step.cpp (the engine's step over a model's blocks in one call, chaining the operators above and

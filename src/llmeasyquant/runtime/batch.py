@@ -29,6 +29,7 @@ class BatchDecoder:
     def __init__(self, parts: DecoderParts, pool: KVPool, native: bool = True) -> None:
         self.parts, self.pool = parts, pool
         self.ops = parts.fused_ops
+        self.activation = self.ops.GATE_ACTIVATIONS[parts.activation] if self.ops is not None else -1
         self.norms = [block.qk_norm or (NO_NORM, NO_NORM) for block in parts.blocks]
         self.native = native
         # (row bucket, threads, pinned) -> the native step for such steps: kernels are chosen per bucket and threads
@@ -48,7 +49,7 @@ class BatchDecoder:
 
     def _mlp_input(self, block, gate_up: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            return self.ops.silu_mul(gate_up)
+            return self.ops.gate_mul(gate_up, self.activation)
         gate, up = gate_up.chunk(2, dim=-1)
         return block.activation(gate) * up
 

@@ -45,6 +45,10 @@ class Norm:
 
 NO_NORM = Norm(None, 0.0)  # type: ignore[arg-type]  # what the fused rotary operators read as "no q/k norm"
 
+# A config's `hidden_act` -> the native gated activation computing it (kernels/native/step_kinds.h); others run on
+# PyTorch operators. gelu_new is the same tanh approximation as gelu_pytorch_tanh.
+NATIVE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
 
 @dataclass(frozen=True)
 class Projection:
@@ -93,7 +97,7 @@ def joined(members: list[nn.Module]) -> Projection:
 
 class DecoderParts:
     """The model's parts for `max_tokens` positions; `fused_ops` is the compiled operator module where the model
-    is fp32 with SiLU (what the fused operators compute), else None."""
+    is fp32 with a gated activation the fused operators compute (`activation`, GATE_ACTIVATIONS), else None."""
 
     def __init__(self, model: nn.Module, max_tokens: int, fused: bool = True) -> None:
         arch = arch_for(model)
@@ -133,8 +137,10 @@ class DecoderParts:
                               "on transformers' forward instead (--runtime transformers)")
         self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()  # [max, dim]
         self.max_tokens = max_tokens
-        # The fused operators work on fp32 rows and compute SiLU; anything else steps on PyTorch operators.
-        covered = self.dtype == torch.float32 and getattr(config, "hidden_act", None) in ("silu", "swish")
+        # The fused operators work on fp32 rows and compute the activations of NATIVE_ACTIVATIONS; anything else
+        # steps on PyTorch operators.
+        self.activation = NATIVE_ACTIVATIONS.get(getattr(config, "hidden_act", None))
+        covered = self.dtype == torch.float32 and self.activation is not None
         self.fused_ops = native.ops() if fused and covered else None
 
     @staticmethod

@@ -7,7 +7,7 @@ kernels/choice.py) and kept. Each linear of a block runs as its chosen kernel sa
 online input transform, hooks, clipped activations or sink tokens, a grid's tables, a kernel that calls PyTorch's
 general operators) steps on the Python forward of runtime/batch.py, which computes the same thing: consecutive
 native blocks run as one call, so a model whose blocks all qualify (every scheme `serve` takes, on the families
-with a `decoder` map and SiLU) runs its whole step as one call.
+with a `decoder` map and a native gated activation) runs its whole step as one call.
 """
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ class NativeStep:
 
 def build_step(parts: DecoderParts, pool: KVPool, rows: int) -> NativeStep | None:
     """The program for steps of `rows` rows (its bucket), or None where the fused operators do not cover the model
-    (not fp32 with SiLU, or not built)."""
+    (not fp32 with a native activation, or not built)."""
     ops = parts.fused_ops
     if ops is None:
         return None
     layout = pool.native_layout()
     program = ops.StepProgram(parts.heads, parts.scaling, layout.quantized, pool.tables, layout.cos, layout.sin,
-                              layout.bits, layout.sinks, MIN_SCALE)
+                              layout.bits, layout.sinks, MIN_SCALE, ops.GATE_ACTIVATIONS[parts.activation])
     native = []
     for index, block in enumerate(parts.blocks):
         q_norm, k_norm = block.qk_norm or (NO_NORM, NO_NORM)

@@ -28,7 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store);
   m.def("decode_attention", &decode_attention);
   m.def("causal_attention", &causal_attention);
-  m.def("silu_mul", &silu_mul);
+  m.def("gate_mul", &gate_mul);
   m.def("quantize_rows", &quantize_rows);
   m.def("quantize_rows_asym", &quantize_rows_asym);
   m.def("dequantize_rows", &dequantize_rows);
@@ -43,7 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("search_clip_rows", &search_clip_rows);
   // The engine's step (native_step.h): built once per model and row count, run every step.
   py::class_<StepProgram>(m, "StepProgram")
-      .def(py::init<int64_t, double, bool, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double>())
+      .def(py::init<int64_t, double, bool, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double, int64_t>())
       .def("add_block", &StepProgram::add_block)
       .def("add_linear", &StepProgram::add_linear)
       .def("run", &StepProgram::run)
@@ -56,4 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   LLMEASYQUANT_STEP_KINDS(LLMEASYQUANT_STEP_KIND_ENTRY)
 #undef LLMEASYQUANT_STEP_KIND_ENTRY
   m.attr("STEP_KINDS") = kinds;
+  py::dict activations;
+#define LLMEASYQUANT_GATE_ACTIVATION_ENTRY(name, text) activations[text] = static_cast<int64_t>(name);
+  LLMEASYQUANT_GATE_ACTIVATIONS(LLMEASYQUANT_GATE_ACTIVATION_ENTRY)
+#undef LLMEASYQUANT_GATE_ACTIVATION_ENTRY
+  m.attr("GATE_ACTIVATIONS") = activations;
 }

@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "row_ops.h"
+#include "step_kinds.h"
 
 #include <cmath>
 #include <limits>
@@ -285,27 +286,35 @@ bool use_blas(bool wanted) {
   return sgemm_ != nullptr && blas_wanted;
 }
 
-// ==== SiLU x up ====
+// ==== act(gate) x up ====
 
-// gate_up: [rows, 2 * width] fp32 -> out: [rows, width] fp32 (the step's form)
-void silu_mul_into(const float* gate_up, int64_t rows, int64_t width, float* out) {
+// gate_up: [rows, 2 * width] fp32 -> out: [rows, width] fp32 (the step's form); activation: step_kinds.h's
+void gate_mul_into(int64_t activation, const float* gate_up, int64_t rows, int64_t width, float* out) {
+  TORCH_CHECK(activation >= 0 && activation < kGateActivations, "unknown gate activation ", activation);
   for_rows(rows, 2 * width, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const float* gate = gate_up + r * 2 * width;
-      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, out + r * width, gate,
-                    gate + width, width);
+      if (activation == kSilu) {
+        at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, out + r * width, gate,
+                      gate + width, width);
+      } else {
+        const Vec half(0.5f), one(1.0f), root(0.7978845608028654f), cubic(0.044715f);  // root: sqrt(2 / pi)
+        at::vec::map2(
+            [&](Vec g, Vec u) { return half * g * (one + (root * (g + cubic * g * g * g)).tanh()) * u; },
+            out + r * width, gate, gate + width, width);
+      }
     }
   });
 }
 
-// gate_up: [rows, 2 * width] fp32 -> out: [rows, width] fp32
-// silu(gate) * up for gate_up [rows, 2 * width] (gate then up, as the fused gate/up GEMM gives them).
-at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+// gate_up: [rows, 2 * width] fp32, activation -> out: [rows, width] fp32
+// act(gate) * up for gate_up [rows, 2 * width] (gate then up, as the fused gate/up GEMM gives them).
+at::Tensor gate_mul(const at::Tensor& gate_up_in, int64_t activation) {
   const at::Tensor gate_up = input(gate_up_in, at::kFloat, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * width]");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, gate_up.options());
-  silu_mul_into(gate_up.data_ptr<float>(), rows, width, out.data_ptr<float>());
+  gate_mul_into(activation, gate_up.data_ptr<float>(), rows, width, out.data_ptr<float>());
   return out;
 }
 

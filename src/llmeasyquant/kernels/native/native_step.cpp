@@ -108,11 +108,12 @@ bool team_wanted() {
 }  // namespace
 
 StepProgram::StepProgram(int64_t heads, double scale, bool quantized_pool, at::Tensor tables, at::Tensor cos_table,
-                         at::Tensor sin_table, int64_t bits, int64_t sinks, double min_scale)
-    : heads_(heads), scale_(scale), min_scale_(min_scale), quantized_pool_(quantized_pool),
+                         at::Tensor sin_table, int64_t bits, int64_t sinks, double min_scale, int64_t activation)
+    : heads_(heads), scale_(scale), min_scale_(min_scale), activation_(activation), quantized_pool_(quantized_pool),
       tables_(std::move(tables)), cos_table_(std::move(cos_table)), sin_table_(std::move(sin_table)), bits_(bits),
       sinks_(sinks), team_(team_wanted()) {
   TORCH_CHECK(tables_.scalar_type() == at::kInt && tables_.dim() == 2, "tables must be [sequences, blocks] int32");
+  TORCH_CHECK(activation >= 0 && activation < kGateActivations, "unknown gate activation ", activation);
 }
 
 void StepProgram::add_block(const std::vector<c10::optional<at::Tensor>>& norms, const std::vector<double>& eps,
@@ -261,7 +262,7 @@ at::Tensor StepProgram::run(at::Tensor x, const at::Tensor& cos, const at::Tenso
     const StepBlock& block = blocks_[index];
     const at::Tensor qkv = project(block, 0, rms_norm(x, block.attn_norm, block.eps[0]));
     x.add_(project(block, 1, attend(block, qkv.contiguous(), rows)));
-    x.add_(project(block, 3, silu_mul(project(block, 2, rms_norm(x, block.mlp_norm, block.eps[1])))));
+    x.add_(project(block, 3, gate_mul(project(block, 2, rms_norm(x, block.mlp_norm, block.eps[1])), activation_)));
   }
   return x;
 }
@@ -389,7 +390,7 @@ void StepProgram::team_block(const StepBlock& block, TeamStep& step) const {
   team_project(block, 2, step.normed.data(), step.gate_up.data(), 0, false, step);
   int64_t gate_up = 0;
   for (const StepLinear& l : block.projections[2]) gate_up += l.out_features;
-  silu_mul_into(step.gate_up.data(), n, gate_up / 2, step.act.data());
+  gate_mul_into(activation_, step.gate_up.data(), n, gate_up / 2, step.act.data());
   team_project(block, 3, step.act.data(), step.x, hidden, true, step);  // x += down(act)
 }
 

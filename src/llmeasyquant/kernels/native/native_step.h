@@ -23,7 +23,7 @@ struct StepLinear {
   at::Tensor bias32;
 };
 
-// A block of a pre-norm rotary decoder: x += o(attention(qkv(norm(x)))); x += down(silu(gate) * up(norm(x))).
+// A block of a pre-norm rotary decoder: x += o(attention(qkv(norm(x)))); x += down(act(gate) * up(norm(x))).
 // A projection is one linear, or several whose outputs lie side by side (q, k, v not fused into one GEMM).
 struct StepBlock {
   at::Tensor attn_norm, mlp_norm;
@@ -47,9 +47,9 @@ class StepProgram {
  public:
   // heads: query heads; scale: attention's; tables: the pool's block tables [S, M] int32 (updated in place by
   // Python); cos_table, sin_table [max_positions, dim] fp32 and bits, sinks: the coded pool's (quantized_pool);
-  // min_scale: the activation scales' floor.
+  // min_scale: the activation scales' floor; activation: the gated MLP's (step_kinds.h's GateActivation).
   StepProgram(int64_t heads, double scale, bool quantized_pool, at::Tensor tables, at::Tensor cos_table,
-              at::Tensor sin_table, int64_t bits, int64_t sinks, double min_scale);
+              at::Tensor sin_table, int64_t bits, int64_t sinks, double min_scale, int64_t activation);
   // Appends a block: norms attn, mlp, q, k (q, k absent without), their epsilons, its layer's pool tensors.
   void add_block(const std::vector<c10::optional<at::Tensor>>& norms, const std::vector<double>& eps,
                  const std::vector<at::Tensor>& pool);
@@ -82,6 +82,7 @@ class StepProgram {
 
   int64_t heads_;
   double scale_, min_scale_;
+  int64_t activation_;
   bool quantized_pool_;
   at::Tensor tables_, cos_table_, sin_table_;
   int64_t bits_, sinks_;

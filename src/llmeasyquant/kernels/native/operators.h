@@ -41,9 +41,9 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
                             double scale);
 // wanted: bool -> bool (whether causal_attention now calls BLAS)
 bool use_blas(bool wanted);
-// gate_up: [rows, 2 * width] fp32 -> [rows, width] fp32
-at::Tensor silu_mul(const at::Tensor& gate_up_in);
-void silu_mul_into(const float* gate_up, int64_t rows, int64_t width, float* out);
+// gate_up: [rows, 2 * width] fp32, activation (step_kinds.h) -> act(gate) * up [rows, width] fp32
+at::Tensor gate_mul(const at::Tensor& gate_up_in, int64_t activation);
+void gate_mul_into(int64_t activation, const float* gate_up, int64_t rows, int64_t width, float* out);
 // x: [rows, in] fp32, qmax: the largest code (127 or 7) -> (codes: [rows, in] int8, scales: [rows, 1] fp32)
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, double min_scale, int64_t qmax);
 // codes: [rows, in] int8, scales: [rows] fp32

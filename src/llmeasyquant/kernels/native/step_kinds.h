@@ -39,3 +39,18 @@ enum StepKind : int64_t {
 #undef LLMEASYQUANT_STEP_KIND_ENUM
       kStepKinds
 };
+
+// The gated MLP's activations, act(gate) * up, one definition for C++ and Python: bindings.cpp exports them as the
+// module's GATE_ACTIVATIONS, and runtime/model_parts.py maps a config's `hidden_act` onto them.
+#define LLMEASYQUANT_GATE_ACTIVATIONS(X)                                                                             \
+  /* gate * sigmoid(gate) (llama, mistral, qwen2, qwen3, phi3) */                                                     \
+  X(kSilu, "silu")                                                                                                   \
+  /* GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (gemma) */                          \
+  X(kGeluTanh, "gelu_tanh")
+
+enum GateActivation : int64_t {
+#define LLMEASYQUANT_GATE_ACTIVATION_ENUM(name, text) name,
+  LLMEASYQUANT_GATE_ACTIVATIONS(LLMEASYQUANT_GATE_ACTIVATION_ENUM)
+#undef LLMEASYQUANT_GATE_ACTIVATION_ENUM
+      kGateActivations
+};
