@@ -22,6 +22,7 @@ def load_benchmark(name: str) -> ModuleType:
         sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: a dataclass of the script looks its module up there
     spec.loader.exec_module(module)
     return module
 
