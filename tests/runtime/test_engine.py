@@ -559,3 +559,20 @@ def test_several_prompts_are_queued_together_or_not_at_all(engine_for):
         engine.submit_prompts([[5, 6], [7, 999]], GREEDY)
     assert error.value.param == "prompt"
     assert engine.stats().waiting == 0 and engine.stats().running == 0  # the first prompt was not queued either
+
+
+def test_kernels_and_native_steps_are_ready_before_the_first_request(engine_for, monkeypatch):
+    """Every bucket a step can reach is chosen and built when the engine starts, none while requests wait; the
+    head only up to the rows it reads (one a running sequence)."""
+    w8a8 = parse_scheme("w8a8")
+    model = lq.quantize(family_model("llama"), RTN(), Plan([Rule("lm_head", w8a8), Rule(".*", w8a8)]), progress=False)
+    engine = engine_for(model, max_running=4, prefill_chunk=16)  # steps of at most 20 rows: buckets 1, 16, 128
+    threads = torch.get_num_threads()
+    steps = set(engine.decoder._steps)
+    assert steps == {(bucket, threads, False) for bucket in (1, 16, 128)}
+    assert all(step is not None for step in engine.decoder._steps.values())
+    blocks = [m for name, m in model.named_modules() if isinstance(m, lq.QuantLinear) and "layers" in name]
+    assert blocks and all(set(layer.chosen_kernels()) == {1, 16, 128} for layer in blocks if layer.shared is None)
+    assert set(model.lm_head.chosen_kernels()) == {1, 16}
+    run_all(engine, prompts(4))
+    assert set(engine.decoder._steps) == steps  # nothing more was built while serving

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from llmeasyquant.kernels.choice import is_pinned, row_bucket
+from llmeasyquant.kernels.choice import ROW_BUCKETS, is_pinned, row_bucket
 from llmeasyquant.nn.positions import row_positions
+from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.runtime.kv_pool import KVPool, Rows
 from llmeasyquant.runtime.model_parts import NO_NORM, DecoderParts
 from llmeasyquant.runtime.native_step import NativeStep, build_step
@@ -43,6 +44,23 @@ class BatchDecoder:
         if key not in self._steps:
             self._steps[key] = build_step(self.parts, self.pool, rows)
         return self._steps[key]
+
+    def prepare(self, rows: int, head_rows: int) -> None:
+        """Choose every quantized linear's kernel, and build the native step, for each row bucket up to `rows` (the
+        head's up to `head_rows`) now: otherwise the first step to reach a bucket times the candidates (a second
+        and more on a large head) while its requests wait."""
+        blocks, head = [], getattr(self.parts.lm_head, "__self__", None)
+        for block in self.parts.blocks:
+            for projection in block.projections:
+                blocks += [layer for member in projection.members
+                           if isinstance(layer := getattr(member, "__self__", None), QuantLinear)]
+        for bucket in ROW_BUCKETS:
+            if bucket <= row_bucket(rows):
+                for layer in blocks:
+                    layer.kernel(bucket)
+                self.native_step(bucket)
+            if bucket <= row_bucket(head_rows) and isinstance(head, QuantLinear):
+                head.kernel(bucket)
 
     def _rms(self, x: torch.Tensor, norm) -> torch.Tensor:
         return self.ops.rms_norm(x, norm.weight, norm.eps) if self.ops is not None else norm(x)

@@ -197,6 +197,11 @@ class Engine:
             raise ConfigError(f"the serving engine runs fp32 models; this one is {parts.dtype}: load it in float32")
         self.pool = self._pool(parts)
         self.decoder = BatchDecoder(parts, self.pool)
+        started = time.perf_counter()
+        # A step holds at most every running sequence's row and a prompt chunk; the head reads one row a sequence.
+        self.decoder.prepare(config.max_running + config.prefill_chunk, config.max_running)
+        log.info("kernels chosen and native steps built for steps of up to %d rows in %.1f s",
+                 config.max_running + config.prefill_chunk, time.perf_counter() - started)
         self.vocab = int(model.config.vocab_size)
         self.eos = _eos_ids(model, tokenizer)
         self._lock = threading.Condition()
