@@ -11,12 +11,13 @@ benchmarks/make_synthetic.py: quantized with `--stream`). Matched pairs (PAIRS):
   lossless export of RTN W8A16 g32 with its head (8.5 bits): we read 6% fewer bytes, said in every record;
 - `w4a16-g32`: ours RTN W4A16 g32 symmetric with the head W4A16 g32 against the same checkpoint exported to GGUF,
   Q4_0 throughout, bit for bit the same weights and bytes.
-Each round, in a shuffled order: ours (weights fused and on 2 MiB pages, as `serve` loads them; the KV cache in
-fp16 as `serve` keeps it) decoding `--new-tokens` greedy tokens after a `--prompt-tokens` prompt (ms a token over
-the steps after the first) and prefilling `--prefill-tokens` tokens in one step (after an untimed one);
-`llama-bench -p 0 -n NEW -r 1` and `-p PREFILL -n 0 -r 1` on the GGUF; and transformers' fp32 forward over the
-same `--prefill-tokens` prompt (the prefill target's baseline). Prompts: WikiText-2 raw test (shipped). Medians of
-the rounds; every record names the CPU, its instruction sets, threads, versions and the llama.cpp build.
+Each round measures the read bandwidth (eval/bench.py), then, in a shuffled order: ours (weights fused and on 2 MiB
+pages, as `serve` loads them; the KV cache in fp16 as `serve` keeps it) decoding `--new-tokens` greedy tokens after
+a `--prompt-tokens` prompt (ms a token over the steps after the first) and prefilling `--prefill-tokens` tokens in
+one step (after an untimed one); `llama-bench -p 0 -n NEW -r 1` and `-p PREFILL -n 0 -r 1` on the GGUF; and
+transformers' fp32 forward over the same `--prefill-tokens` prompt (the prefill target's baseline). Prompts:
+WikiText-2 raw test (shipped). Medians of the rounds; the bound is the weight bytes a token reads over the median
+bandwidth; every record names the CPU, its instruction sets, threads, versions and the llama.cpp build.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from llmeasyquant.calibration.data import load_text, tokenize
-from llmeasyquant.eval.bench import weight_bytes_per_token
+from llmeasyquant.eval.bench import memory_bandwidth_gbs, weight_bytes_per_token
 from llmeasyquant.eval.speed import _fill_cache
 from llmeasyquant.export.checkpoint import load
 from llmeasyquant.models.load import load_model
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     order = random.Random(args.seed)
     rounds = []
     for index in range(args.rounds):
-        found: dict[str, dict] = {"conditions": conditions()}
+        found: dict[str, dict] = {"conditions": conditions(), "bandwidth_gbs": memory_bandwidth_gbs()}
         jobs = [(pair, side) for pair in pairs for side in ("ours", "llama.cpp")] + [("fp32", "transformers")]
         order.shuffle(jobs)
         for pair, side in jobs:
@@ -177,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_tok_s_llama": median(pair, "llama.cpp", "prefill_tok_s"),
             "prefill_tok_s_transformers_fp32": transformers,
             "weight_bytes_per_token_ours": side["bytes"], "weight_bytes_per_token_llama": side["peer_bytes"],
-            "rounds": [{"conditions": r["conditions"], **r[pair],
+            "rounds": [{"conditions": r["conditions"], "bandwidth_gbs": r["bandwidth_gbs"], **r[pair],
                         "transformers_prefill_tok_s": r["transformers_prefill_tok_s"]} for r in rounds]}
         metrics["decode_speedup"] = metrics["decode_ms_llama"] / metrics["decode_ms_ours"]
+        # The bound: this round's read bandwidth over the weight bytes a token reads (the speed of light).
+        metrics["bandwidth_gbs"] = statistics.median(r["bandwidth_gbs"] for r in rounds)
+        metrics["bound_ms"] = 1000 * side["bytes"] / (metrics["bandwidth_gbs"] * 1e9)
+        metrics["share_of_bound"] = metrics["bound_ms"] / metrics["decode_ms_ours"]
         metrics["prefill_vs_llama"] = metrics["prefill_tok_s_ours"] / metrics["prefill_tok_s_llama"]
         metrics["prefill_vs_transformers"] = metrics["prefill_tok_s_ours"] / transformers
         metrics["scheme"], metrics["peer"] = pair, side["qtype"]
@@ -192,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "llama_cpp_build": rounds[0][pair]["llama.cpp"]["build"],
                                    "cpu": machine()}, command))
         print(f"{pair}: decode {metrics['decode_ms_ours']:.2f} ms against {metrics['decode_ms_llama']:.2f} "
-              f"({metrics['decode_speedup']:.2f}x), prefill {metrics['prefill_tok_s_ours']:.0f} tok/s against "
+              f"({metrics['decode_speedup']:.2f}x; {100 * metrics['share_of_bound']:.0f}% of the bound), "
+              f"prefill {metrics['prefill_tok_s_ours']:.0f} tok/s against "
               f"{metrics['prefill_tok_s_llama']:.0f} ({metrics['prefill_vs_llama']:.2f}x; "
               f"{metrics['prefill_vs_transformers']:.2f}x transformers fp32)")
     write_records(args.out, records)
