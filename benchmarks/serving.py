@@ -16,7 +16,8 @@ Each round runs every server in a shuffled order; ours serves every level from o
 Protocol: SmolLM2-135M-Instruct (the bundled model). Prompts are 128-token windows cut one after another from
 WikiText-2 raw test (shipped), sent as token ids to /v1/completions with `stream: true`, 128 greedy tokens each
 with end-of-sequence ignored. At each level, N clients each send requests back to back until the level's fixed
-number of requests (max(N, 4)) is done; one warm-up request precedes the levels. Measured at the client:
+number of requests (max(N, 4)) is done, each on a new connection; one warm-up request on a 65th window, which
+no level sends, precedes the levels. Measured at the client:
 aggregate output tokens/s (all tokens over the level's wall time), requests/s, time to first token and
 inter-token latency (between consecutive streamed chunks) at p50 and p99, and the server's peak RSS (VmHWM) at the
 end. Every server gets 2 threads and listens on 127.0.0.1. Our checkpoints are quantized with RTN (weights, with
@@ -170,7 +171,9 @@ async def level(port: int, model: str, clients: int, requests: int, texts: list[
             index = queue.pop()
             results.append(await one_request(client, url, model, texts[index % len(texts)]))
 
-    limits = httpx.Limits(max_connections=clients + 4)
+    # A connection a request: a kept-alive one that the server closes as the next request goes out fails with
+    # RemoteProtocolError (seen with llama-server); a loopback connect costs far less than a token.
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(clients)))
@@ -197,7 +200,9 @@ def measure(name: str, command: list[str], port: int, model: str, levels: list[i
     server = Server(command, port, ready_path)
     rows = []
     try:
-        asyncio.run(level(port, model, 1, 1, texts))  # warm-up: kernel choices, first-use builds
+        # Warm-up on the last prompt, which no level sends (a server's prompt cache must not serve a level from it)
+        asyncio.run(level(port, model, 1, 1, [texts[-1]]))
+        texts = texts[:-1]
         for clients in levels:
             row = asyncio.run(level(port, model, clients, max(clients, 4), texts))
             row |= {"server": name, "peak_rss_mb": server.peak_rss_mb()}
@@ -308,7 +313,7 @@ def main() -> int:
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
-    texts = prompts(64)
+    texts = prompts(65)  # 64 for the levels, one for the warm-ups
     if args.pairs:
         if not args.llama_server or any(pair not in PAIRS for pair in args.pairs.split(",")) or args.rounds < 1:
             parser.error(f"--pairs takes {', '.join(PAIRS)}, with --llama-server and --rounds >= 1")
