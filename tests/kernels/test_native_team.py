@@ -10,7 +10,7 @@ from tests.runtime.test_decoder import family_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import llmeasyquant as lq
-from llmeasyquant.kernels import native
+from llmeasyquant.kernels import choice, native
 from llmeasyquant.kernels.cpu import (
     NativeInt4DigitsKernel,
     NativeInt4Int8Kernel,
@@ -166,3 +166,25 @@ def test_zero_point_terms_on_pytorch_operators_keep_a_linear_off_the_team(scheme
     parts = DecoderParts(model, CONTEXT)
     program = BatchDecoder(parts, make_pool(parts, "float32")).native_step(1).program
     assert not program.team_covers(1, 0, program.blocks())
+
+
+@pytest.mark.parametrize(("scheme", "fastest_alone", "team_kernel"), [
+    ("w8a8", "cpu_int_mm_w8a8", "cpu_native_w8a8"),
+    ("w4a16-g32", "cpu_int4pack_w4a16", "cpu_native_w4a16_i16"),
+])
+def test_the_choice_keeps_decode_rows_in_the_team(scheme, fastest_alone, team_kernel, monkeypatch):
+    """A kernel without a team form that wins a layer's timing alone would take the whole step out of the team:
+    at TEAM_ROWS rows and fewer only kernels with one are timed; above, every kernel."""
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL_CHOICE", "measured")
+    monkeypatch.setattr(choice, "_seconds", lambda layer, kernel, x: 1.0 if kernel.name == fastest_alone else 2.0)
+    choice.forget_choices()
+    try:
+        weight = torch.randn(192, 576, generator=torch.Generator().manual_seed(0)) * 0.05
+        layer = lq.QuantLinear.from_weight(weight, None, lq.parse_scheme(scheme))
+        ops = native.ops()
+        assert layer.kernel(1).name == layer.kernel(ops.TEAM_ROWS).name == team_kernel
+        assert layer.kernel(128).name == fastest_alone
+        call = layer.kernel(1).step_call(layer, layer.prepared_for(layer.kernel(1)), 1)
+        assert ops.has_team_form(*call.arguments(layer, ops.STEP_KINDS))
+    finally:
+        choice.forget_choices()

@@ -68,7 +68,9 @@ def select(layer: KernelLayer, rows: int = 1) -> Kernel:
     if found:
         if choice.is_pinned():  # calibration: the same kernel in every process, whatever the timings
             return REFERENCE if REFERENCE in found else found[0]
-        return found[0] if choice.mode() == "first" else choice.choose(layer, found, rows)
+        if choice.mode() == "first":
+            return found[0]
+        return choice.choose(layer, choice.on_the_step_path(layer, found, rows), rows)
     log.debug("no integer kernel for %s (in=%d) on %s; using the reference kernel",
               layer.scheme.name, layer.in_features, layer.qweight.device.type)
     return REFERENCE

@@ -11,7 +11,9 @@ with quantized activations have no float candidate: their reference sums integer
 never fast.
 
 Every CPU kernel runs inside the engine's native step (each has a `step_call`: runtime/native_step.py), so the
-timings judge the kernels on the path that runs; none is credited for a path of its own.
+timings judge the kernels on the path that runs; none is credited for a path of its own. At a decode step's few
+rows that path is the team (one parallel region for the step) where every linear has a team form, so there the
+candidates are the kernels with one where any has (`on_the_step_path`).
 
 `LLMEASYQUANT_KERNEL_CHOICE=first` turns the measurement off: the first supporting kernel in the registry's order,
 for every row count (reproducible across machines; the tests use it).
@@ -104,6 +106,25 @@ def choose(layer, candidates: list[Any], rows: int, timer: Timer | None = None) 
                  ", ".join(f"{name} {1e3 * s:.3f} ms" for name, s in times.items()))
     chosen = _CHOSEN[key]
     return next(k for k in candidates if k.name == chosen)
+
+
+def on_the_step_path(layer, found: list[Any], rows: int) -> list[Any]:
+    """The kernels of `found` to time for `rows` rows: at a decode step's few rows (the native module's TEAM_ROWS)
+    those whose step form the team runs, where any has one, else all. The team runs a step's blocks in one OpenMP
+    parallel region only where every linear has such a form; one kernel without takes the whole step out of it
+    (SmolLM2 W8A8, batch 1: 8.4 ms a step against 5.0, docs/RESULTS.md), which timing a layer alone cannot see."""
+    from llmeasyquant.kernels import native
+
+    ops = native.ops()
+    bucket = row_bucket(rows)
+    if ops is None or bucket > ops.TEAM_ROWS or layer.qweight.device.type != "cpu":
+        return found
+    team = []
+    for kernel in found:
+        call = kernel.step_call(layer, layer.prepared_for(kernel), bucket)
+        if call is not None and ops.has_team_form(*call.arguments(layer, ops.STEP_KINDS)):
+            team.append(kernel)
+    return team or found
 
 
 def forget_choices() -> None:

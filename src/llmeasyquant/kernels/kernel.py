@@ -35,6 +35,18 @@ class StepCall:
         if len(self.tensors) > 4 or self.tensors[0] is None:
             raise ValueError(f"a step call takes its weight tensor and up to 3 more, got {len(self.tensors)}")
 
+    def arguments(self, layer: KernelLayer, kinds: dict[str, int]) -> StepArguments:
+        """The call as StepProgram.add_linear (and has_team_form) take it: the kind's number in `kinds` (the
+        compiled module's STEP_KINDS), tensors a, b, c, d and the layer's bias, and seven ints."""
+        tensors = [*self.tensors, *[None] * (4 - len(self.tensors)), layer.bias]
+        ints = [self.group_size or layer.group_size or layer.in_features, layer.in_features, layer.out_features,
+                *self.act_range, self.act_group, self.padded_in]
+        return kinds[self.kind], tensors, ints
+
+
+# One linear as StepProgram.add_linear takes it: its kind's number, tensors a, b, c, d and bias, and seven ints.
+StepArguments = tuple[int, list[torch.Tensor | None], list[int]]
+
 
 class Kernel(Protocol):
     name: str

@@ -22,5 +22,6 @@ class KernelLayer(Protocol):
     in_features: int
     out_features: int
     group_size: int | None
+    bias: torch.Tensor | None  # fp32 [out], added after the kernel
     input_scale: torch.Tensor | None  # static or tracked activation scale
     kernel_name: str | None  # a kernel forced for this layer alone

@@ -18,16 +18,14 @@ import torch
 from torch import nn
 
 from llmeasyquant.kernels.choice import row_bucket
+from llmeasyquant.kernels.kernel import StepArguments
 from llmeasyquant.nn.qlinear import QuantLinear
 from llmeasyquant.primitives import MIN_SCALE
 from llmeasyquant.runtime.kv_pool import KVPool
 from llmeasyquant.runtime.model_parts import NO_NORM, DecoderParts, Linear
 
-# One linear as StepProgram.add_linear takes it: its kind's number, tensors a, b, c, d and bias, and seven ints.
-LinearArguments = tuple[int, list[torch.Tensor | None], list[int]]
 
-
-def linear_arguments(member: Linear, rows: int, kinds: dict[str, int]) -> LinearArguments | None:
+def linear_arguments(member: Linear, rows: int, kinds: dict[str, int]) -> StepArguments | None:
     """How the native step runs one member of a projection at `rows` rows, or None where it cannot: a QuantLinear's
     bound forward with nothing changing its input, through its chosen kernel's step call, or an fp32 nn.Linear."""
     layer, function = getattr(member, "__self__", None), getattr(member, "__func__", None)
@@ -38,12 +36,7 @@ def linear_arguments(member: Linear, rows: int, kinds: dict[str, int]) -> Linear
             return None
         kernel = layer.kernel(rows)
         call = kernel.step_call(layer, layer.prepared_for(kernel), row_bucket(rows))
-        if call is None:
-            return None
-        tensors = [*call.tensors, *[None] * (4 - len(call.tensors)), layer.bias]
-        ints = [call.group_size or layer.group_size or layer.in_features, layer.in_features, layer.out_features,
-                *call.act_range, call.act_group, call.padded_in]
-        return kinds[call.kind], tensors, ints
+        return None if call is None else call.arguments(layer, kinds)
     if type(layer) is nn.Linear and function is nn.Linear.forward and layer.weight.dtype == torch.float32:
         return kinds["float"], [layer.weight, None, None, None, layer.bias], [0, layer.in_features,
                                                                                layer.out_features, 0, 0, 0, 0]

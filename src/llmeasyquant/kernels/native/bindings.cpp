@@ -50,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("blocks", &StepProgram::blocks)
       .def("team_covers", &StepProgram::team_covers)
       .def("set_team", &StepProgram::set_team);
+  m.def("has_team_form", &has_team_form);
+  m.attr("TEAM_ROWS") = kTeamRows;
   // The kinds of step_kinds.h by name, for the kernels' step_call (their one definition is that header).
   py::dict kinds;
 #define LLMEASYQUANT_STEP_KIND_ENTRY(name, text) kinds[text] = static_cast<int64_t>(name);

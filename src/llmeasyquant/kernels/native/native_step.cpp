@@ -56,7 +56,6 @@ at::Tensor int4_int8_linear(const StepLinear& l, const at::Tensor& x, double min
 
 // Rows a step may hold for the team: decode rows. Longer steps (prompt chunks) take the per-op path, whose operators
 // switch to the GEMMs made for many rows.
-constexpr int64_t kTeamRows = 16;
 
 // Whether a linear of this kind, with these tensors, has a step form (operators.h), checked as the per-op operator
 // checks them; its bias, if any, fp32 contiguous (the per-op path adds `bias.to(fp32)`).
@@ -148,10 +147,8 @@ void StepProgram::add_block(const std::vector<c10::optional<at::Tensor>>& norms,
   blocks_.push_back(std::move(block));
 }
 
-void StepProgram::add_linear(int64_t which, int64_t kind, const std::vector<c10::optional<at::Tensor>>& tensors,
-                             const std::vector<int64_t>& ints) {
-  TORCH_CHECK(!blocks_.empty(), "add a block before its linears");
-  TORCH_CHECK(which >= 0 && which < 4, "projection ", which, " is not one of 0 (qkv), 1 (o), 2 (gate_up), 3 (down)");
+StepLinear step_linear(int64_t kind, const std::vector<c10::optional<at::Tensor>>& tensors,
+                       const std::vector<int64_t>& ints) {
   TORCH_CHECK(kind >= 0 && kind < kStepKinds, "unknown step kind ", kind);
   TORCH_CHECK(tensors.size() == 5 && ints.size() == 7, "a linear takes 5 tensors (a, b, c, d, bias) and 7 ints");
   TORCH_CHECK(tensors[0].has_value(), "a linear needs its weight tensor (a)");
@@ -165,7 +162,19 @@ void StepProgram::add_linear(int64_t which, int64_t kind, const std::vector<c10:
   l.act_qmin = ints[3], l.act_qmax = ints[4], l.act_group = ints[5], l.padded_in = ints[6];
   l.team = has_step_form(l);
   if (l.team && l.bias.has_value()) l.bias32 = l.bias->to(at::kFloat).contiguous();
-  blocks_.back().projections[which].push_back(std::move(l));
+  return l;
+}
+
+bool has_team_form(int64_t kind, const std::vector<c10::optional<at::Tensor>>& tensors,
+                   const std::vector<int64_t>& ints) {
+  return step_linear(kind, tensors, ints).team;
+}
+
+void StepProgram::add_linear(int64_t which, int64_t kind, const std::vector<c10::optional<at::Tensor>>& tensors,
+                             const std::vector<int64_t>& ints) {
+  TORCH_CHECK(!blocks_.empty(), "add a block before its linears");
+  TORCH_CHECK(which >= 0 && which < 4, "projection ", which, " is not one of 0 (qkv), 1 (o), 2 (gate_up), 3 (down)");
+  blocks_.back().projections[which].push_back(step_linear(kind, tensors, ints));
 }
 
 at::Tensor StepProgram::linear(const StepLinear& l, const at::Tensor& x) const {

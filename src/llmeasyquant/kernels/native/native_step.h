@@ -43,6 +43,18 @@ struct StepRows {
   at::Tensor cos, sin, slots, row_seq, positions, lengths;
 };
 
+// The most rows a step runs in the team (one OpenMP parallel region for all its blocks); more run op by op.
+constexpr int64_t kTeamRows = 16;
+
+// A linear from add_linear's arguments: its kind (step_kinds.h), tensors a, b, c, d, bias and ints group_size, in,
+// out, act_qmin, act_qmax, act_group, padded_in; whether the team can run it is worked out here.
+StepLinear step_linear(int64_t kind, const std::vector<c10::optional<at::Tensor>>& tensors,
+                       const std::vector<int64_t>& ints);
+// Whether a linear with these arguments runs in the team (the kernel choice prefers such kernels for a step's
+// few rows: one kernel without a team form takes its whole step out of the team).
+bool has_team_form(int64_t kind, const std::vector<c10::optional<at::Tensor>>& tensors,
+                   const std::vector<int64_t>& ints);
+
 class StepProgram {
  public:
   // heads: query heads; scale: attention's; tables: the pool's block tables [S, M] int32 (updated in place by
