@@ -514,3 +514,19 @@ def test_group_wise_integer_reference_equals_its_dequantized_form(scheme_name):
     dequantized = dequantize(quantize(x, qp, reference.scheme.act.bits), qp) @ reference.dequantize().t()
     y = reference(x) - reference.bias
     assert rel_rms_err(y, dequantized) <= 1e-6
+
+
+@pytest.mark.skipif(native.ops() is None, reason="needs the fused C++ operators")
+@pytest.mark.parametrize("scheme_name", ["w4a16", "w4a16-g32", "w4a16-g64-asym"])
+def test_bf16_prompt_kernel_rounds_to_bf16_only(scheme_name):
+    """cpu_bf16_w4a16: the reference's weight and the activations in bf16, sums rounded to bf16 (as PyTorch's int4
+    operator gives them): within bf16's rounding of the reference, not equal to it; uniform 4-bit codes only."""
+    layer, reference = layer_pair(scheme_name, 576, 96)
+    layer.kernel_name = "cpu_bf16_w4a16"
+    x = make_input(40, 576)
+    y, ref = layer(x), reference(x)
+    assert not torch.equal(y, ref) and rel_rms_err(y, ref) <= 1e-2
+    expected = (x.bfloat16().float() @ reference.dequantize().bfloat16().float().t()).bfloat16().float()
+    torch.testing.assert_close(y - layer.bias, expected, rtol=2**-7, atol=1e-3)  # one bf16 step, another sum order
+    assert not ALL_KERNELS["cpu_bf16_w4a16"].supports(QuantLinear.from_weight(*make_weight(576, 96, seed=1),
+                                                                              parse_scheme("w4a16-g64-nf4")))

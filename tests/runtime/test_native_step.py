@@ -11,6 +11,7 @@ import llmeasyquant as lq
 from llmeasyquant import LeanDecoder
 from llmeasyquant.kernels import native
 from llmeasyquant.kernels.cpu import (
+    Bf16DequantInt4Kernel,
     Int4WeightOnlyKernel,
     Int8DynamicActKernel,
     Int8WeightOnlyKernel,
@@ -41,6 +42,7 @@ KERNELS = [
     ("w4a8-g32", NativeInt4Int8Kernel.name), ("w4a8-g32-aasym", NativeInt4Int8Kernel.name),
     ("w4a4-g32-aasym-ag32", NativeInt4Int8Kernel.name),
     ("w8a16-asym", ReferenceKernel.name), ("w4a16-g32-asym", ReferenceKernel.name),
+    ("w4a16-g32-asym", Bf16DequantInt4Kernel.name), ("w4a16", Bf16DequantInt4Kernel.name),
 ]
 
 

@@ -297,6 +297,30 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
         return StepCall("int4_dequant", (layer.qweight, prepared["scales"].float(), zeros))
 
 
+class Bf16DequantInt4Kernel(NativeInt4WeightOnlyKernel):
+    """W4A16 for a prompt's rows on bf16 dot products: the weight dequantized as the reference does it, rounded to
+    bf16, times the activations rounded to bf16, by PyTorch's bf16 GEMM (oneDNN: AVX-512 BF16 or AMX where the CPU
+    has them; fp32 sums, the outputs rounded to bf16). Weights, activations and outputs keep 8 significant bits, as
+    in PyTorch's int4 operator (`cpu_int4pack_w4a16`, which also rounds the scales); where the CPU lacks bf16
+    arithmetic it is slow and the measured choice passes it by. 2.4-3.4x PyTorch's fp32 GEMM at 512 rows on an
+    AVX-512 BF16 EPYC (docs/RESULTS.md, "One decode path"). Uniform 4-bit codes; last in the registry, so `first`
+    mode never takes it."""
+
+    name = "cpu_bf16_w4a16"
+
+    def supports(self, layer) -> bool:
+        return layer.scheme.grid is None and super().supports(layer)
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        with scope(LOAD_WEIGHTS):
+            weight = native.built().dequantize_int4(layer.qweight, prepared["scales"], prepared["zeros"],
+                                                    layer.in_features, layer.group_size).to(torch.bfloat16)
+        return (x.to(torch.bfloat16) @ weight.t()).float()
+
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        return StepCall("int4_dequant_bf16", (layer.qweight, prepared["scales"], prepared["zeros"]))
+
+
 def _grid_levels(layer) -> torch.Tensor | None:
     """A grid layer's levels as the native operators take them: fp32 [16] (a fixed table) or [out, 16] (learned).
     A learned 8-level table (3 bits) sits at indices 4..11, where codes -4..3 plus 8 land; the ends repeat."""
