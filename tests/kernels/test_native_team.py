@@ -173,8 +173,8 @@ def test_zero_point_terms_on_pytorch_operators_keep_a_linear_off_the_team(scheme
     ("w4a16-g32", "cpu_int4pack_w4a16", "cpu_native_w4a16_i16"),
 ])
 def test_the_choice_keeps_decode_rows_in_the_team(scheme, fastest_alone, team_kernel, monkeypatch):
-    """A kernel without a team form that wins a layer's timing alone would take the whole step out of the team:
-    at TEAM_ROWS rows and fewer only kernels with one are timed; above, every kernel."""
+    """A kernel without a team form that wins a layer's timing alone would take a one-row step out of the team:
+    at one row only kernels with one are timed; at more rows (16, 128), every kernel."""
     monkeypatch.setenv("LLMEASYQUANT_KERNEL_CHOICE", "measured")
     monkeypatch.setattr(choice, "_seconds", lambda layer, kernel, x: 1.0 if kernel.name == fastest_alone else 2.0)
     choice.forget_choices()
@@ -182,8 +182,8 @@ def test_the_choice_keeps_decode_rows_in_the_team(scheme, fastest_alone, team_ke
         weight = torch.randn(192, 576, generator=torch.Generator().manual_seed(0)) * 0.05
         layer = lq.QuantLinear.from_weight(weight, None, lq.parse_scheme(scheme))
         ops = native.ops()
-        assert layer.kernel(1).name == layer.kernel(ops.TEAM_ROWS).name == team_kernel
-        assert layer.kernel(128).name == fastest_alone
+        assert layer.kernel(1).name == team_kernel
+        assert layer.kernel(16).name == layer.kernel(128).name == fastest_alone
         call = layer.kernel(1).step_call(layer, layer.prepared_for(layer.kernel(1)), 1)
         assert ops.has_team_form(*call.arguments(layer, ops.STEP_KINDS))
     finally:

@@ -11,9 +11,9 @@ with quantized activations have no float candidate: their reference sums integer
 never fast.
 
 Every CPU kernel runs inside the engine's native step (each has a `step_call`: runtime/native_step.py), so the
-timings judge the kernels on the path that runs; none is credited for a path of its own. At a decode step's few
-rows that path is the team (one parallel region for the step) where every linear has a team form, so there the
-candidates are the kernels with one where any has (`on_the_step_path`).
+timings judge the kernels on the path that runs; none is credited for a path of its own. For one row (a single
+sequence's decode step) that path is the team (one parallel region for the step) where every linear has a team
+form, so there the candidates are the kernels with one where any has (`on_the_step_path`).
 
 `LLMEASYQUANT_KERNEL_CHOICE=first` turns the measurement off: the first supporting kernel in the registry's order,
 for every row count (reproducible across machines; the tests use it).
@@ -109,15 +109,18 @@ def choose(layer, candidates: list[Any], rows: int, timer: Timer | None = None) 
 
 
 def on_the_step_path(layer, found: list[Any], rows: int) -> list[Any]:
-    """The kernels of `found` to time for `rows` rows: at a decode step's few rows (the native module's TEAM_ROWS)
-    those whose step form the team runs, where any has one, else all. The team runs a step's blocks in one OpenMP
-    parallel region only where every linear has such a form; one kernel without takes the whole step out of it
-    (SmolLM2 W8A8, batch 1: 8.4 ms a step against 5.0, docs/RESULTS.md), which timing a layer alone cannot see."""
+    """The kernels of `found` to time for `rows` rows: for one row (a single sequence's decode step) those whose
+    step form the native step's team runs, where any has one, else all. The team runs a step's blocks in one OpenMP
+    parallel region only where every linear has such a form; one kernel without takes the whole step out of it,
+    which timing a layer alone cannot see (SmolLM2-135M, batch 1: W8A8 5.6 ms a step in the team against 7.8
+    without, W4A16 g32 5.6 against 6.2). At 2-16 rows the team bought nothing measurable (W8A8 37.6 ms either way
+    at 16) and kernels without a team form were much faster (W4A16 g32 at 16 rows: 30 ms of native blocks on the
+    timed choice, 55 on team kernels only), so there every kernel is timed (docs/RESULTS.md, "One decode path")."""
     from llmeasyquant.kernels import native
 
     ops = native.ops()
     bucket = row_bucket(rows)
-    if ops is None or bucket > ops.TEAM_ROWS or layer.qweight.device.type != "cpu":
+    if ops is None or bucket != ROW_BUCKETS[0] or layer.qweight.device.type != "cpu":
         return found
     team = []
     for kernel in found:

@@ -298,13 +298,13 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
 
 
 class Bf16DequantInt4Kernel(NativeInt4WeightOnlyKernel):
-    """W4A16 for a prompt's rows on bf16 dot products: the weight dequantized as the reference does it, rounded to
-    bf16, times the activations rounded to bf16, by PyTorch's bf16 GEMM (oneDNN: AVX-512 BF16 or AMX where the CPU
-    has them; fp32 sums, the outputs rounded to bf16). Weights, activations and outputs keep 8 significant bits, as
-    in PyTorch's int4 operator (`cpu_int4pack_w4a16`, which also rounds the scales); where the CPU lacks bf16
-    arithmetic it is slow and the measured choice passes it by. 2.4-3.4x PyTorch's fp32 GEMM at 512 rows on an
-    AVX-512 BF16 EPYC (docs/RESULTS.md, "One decode path"). Uniform 4-bit codes; last in the registry, so `first`
-    mode never takes it."""
+    """W4A16 for a prompt's rows on bf16 dot products (native `int4_bf16_matmul`): the weight dequantized as the
+    reference does it, 4 MB of it at a time, rounded to bf16, times the activations rounded to bf16, by PyTorch's
+    bf16 GEMM (oneDNN: AVX-512 BF16 or AMX where the CPU has them; fp32 sums, the outputs rounded to bf16). Weights,
+    activations and outputs keep 8 significant bits, as in PyTorch's int4 operator (`cpu_int4pack_w4a16`, which also
+    rounds the scales); where the CPU lacks bf16 arithmetic it is slow and the measured choice passes it by.
+    2.4-3.4x PyTorch's fp32 GEMM at 512 rows on an AVX-512 BF16 EPYC (docs/RESULTS.md, "One decode path"). Uniform
+    4-bit codes; last in the registry, so `first` mode never takes it."""
 
     name = "cpu_bf16_w4a16"
 
@@ -312,13 +312,12 @@ class Bf16DequantInt4Kernel(NativeInt4WeightOnlyKernel):
         return layer.scheme.grid is None and super().supports(layer)
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
-        with scope(LOAD_WEIGHTS):
-            weight = native.built().dequantize_int4(layer.qweight, prepared["scales"], prepared["zeros"],
-                                                    layer.in_features, layer.group_size).to(torch.bfloat16)
-        return (x.to(torch.bfloat16) @ weight.t()).float()
+        with scope(NATIVE_GEMM):
+            return native.built().int4_bf16_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"],
+                                                   layer.in_features, layer.group_size)
 
     def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
-        return StepCall("int4_dequant_bf16", (layer.qweight, prepared["scales"], prepared["zeros"]))
+        return StepCall("int4_bf16", (layer.qweight, prepared["scales"], prepared["zeros"]))
 
 
 def _grid_levels(layer) -> torch.Tensor | None:

@@ -13,6 +13,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_blas", &use_blas);
   m.def("dequantize_int4", &dequantize_int4);
+  m.def("int4_bf16_matmul", &int4_bf16_matmul);
   m.def("int4_weight_matmul", &int4_weight_matmul);
   m.def("bf16_dot_built", &bf16_dot_built);
   m.def("int4_digits_matmul", &int4_digits_matmul);
@@ -51,7 +52,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("team_covers", &StepProgram::team_covers)
       .def("set_team", &StepProgram::set_team);
   m.def("has_team_form", &has_team_form);
-  m.attr("TEAM_ROWS") = kTeamRows;
   // The kinds of step_kinds.h by name, for the kernels' step_call (their one definition is that header).
   py::dict kinds;
 #define LLMEASYQUANT_STEP_KIND_ENTRY(name, text) kinds[text] = static_cast<int64_t>(name);

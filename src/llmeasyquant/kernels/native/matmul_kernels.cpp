@@ -326,6 +326,29 @@ at::Tensor dequantize_weights(const Int4Weights& weights, int64_t in_features, c
   return w;
 }
 
+// The weights of a bf16 prompt GEMM are dequantized this many fp32 bytes at a time: a block of channels stays in
+// the caches between its dequantization and its GEMM, and no call maps (and faults in) a fresh buffer the size of
+// the whole layer (at Llama-1B shapes, 512 rows: 50 ms a layer against 84-90 whole).
+constexpr int64_t kBf16ChunkBytes = int64_t{4} << 20;
+
+at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& zeros, int64_t in_features, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x must be [rows, in_features]");
+  const int64_t out = packed.size(0);
+  const int64_t step = std::max<int64_t>(16, kBf16ChunkBytes / (4 * in_features) / 16 * 16);
+  const at::Tensor xb = x.to(at::kBFloat16);
+  at::Tensor y = at::empty({x.size(0), out}, x.options().dtype(at::kBFloat16));
+  for (int64_t first = 0; first < out; first += step) {
+    const int64_t last = std::min(first + step, out);
+    const c10::optional<at::Tensor> block_zeros =
+        zeros.has_value() ? c10::optional<at::Tensor>(zeros->slice(0, first, last)) : c10::nullopt;
+    const at::Tensor w = dequantize_int4(packed.slice(0, first, last), scales.slice(0, first, last), block_zeros,
+                                         in_features, group_size).to(at::kBFloat16);
+    y.slice(1, first, last).copy_(at::matmul(xb, w.t()));
+  }
+  return y.to(at::kFloat);
+}
+
 // ==== W4A16: int4-weight matmul ====
 
 constexpr int64_t kPrefetchChannels = 4;

@@ -214,11 +214,9 @@ at::Tensor StepProgram::linear(const StepLinear& l, const at::Tensor& x) const {
     case kInt4Dequant:
       y = at::matmul(x, dequantize_int4(l.a, l.b, optional(l.c), l.in_features, l.group_size).t());
       break;
-    case kInt4DequantBf16: {
-      const at::Tensor w = dequantize_int4(l.a, l.b, optional(l.c), l.in_features, l.group_size).to(at::kBFloat16);
-      y = at::matmul(x.to(at::kBFloat16), w.t()).to(at::kFloat);
+    case kInt4Bf16:
+      y = int4_bf16_matmul(x, l.a, l.b, optional(l.c), l.in_features, l.group_size);
       break;
-    }
     case kInt4Pack: {
       const at::Tensor padded = l.padded_in > l.in_features ? at::constant_pad_nd(x, {0, l.padded_in - l.in_features})
                                                             : x;

@@ -73,6 +73,10 @@ void int8_weight_matmul_into(const float* x, int64_t rows, int64_t width, const 
 // packed: [out, ceil(in / 2)] uint8, scales, zeros: [out, groups] fp32 (zeros absent: symmetric) -> [out, in] fp32
 at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                            int64_t in_features, int64_t group_size);
+// x: [rows, in] fp32, packed, scales, zeros, in, group as dequantize_int4 -> [rows, out] fp32: that weight and x
+// rounded to bf16, multiplied by PyTorch's bf16 GEMM a block of channels at a time, outputs rounded to bf16
+at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& zeros, int64_t in_features, int64_t group_size);
 // x: [rows, in] fp32, packed, scales, zeros as dequantize_int4 -> [rows, out] fp32
 // (bf16_dot: take the bf16 dot-product path where this build has it)
 at::Tensor int4_weight_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,

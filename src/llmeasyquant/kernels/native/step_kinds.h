@@ -27,9 +27,8 @@
   X(kInt4Weight, "int4_weight")                                                                                      \
   /* dequantize_int4(a = packed, b = scales, c = zeros, in, group), then x @ w^T */                                  \
   X(kInt4Dequant, "int4_dequant")                                                                                    \
-  /* dequantize_int4(a = packed, b = scales, c = zeros, in, group) rounded to bf16, then bf16 x @ w^T (the */        \
-  /* outputs bf16), widened to fp32 */                                                                              \
-  X(kInt4DequantBf16, "int4_dequant_bf16")                                                                          \
+  /* int4_bf16_matmul(x, a = packed, b = scales, c = zeros, in, group) */                                            \
+  X(kInt4Bf16, "int4_bf16")                                                                                          \
   /* x padded to padded_in, _weight_int4pack_mm_for_cpu(bf16 x, a = packed, group, b = scales and zeros) */          \
   X(kInt4Pack, "int4_pack")                                                                                          \
   /* per-token (or per-group) activation codes, int4_int8_matmul(.., a = tiles, b = scales, c = offsets), minus the */ \
