@@ -1,5 +1,5 @@
 // Every operator the extension exports, with its contract: bindings.cpp registers them by name for Python, and
-// decode_block.cpp chains some of them in C++. Each is defined in the file its section names.
+// native_step.cpp chains them in C++ (the engine's step). Each is defined in the file its section names.
 
 #pragma once
 
