@@ -6,8 +6,8 @@ on the main thread, its steps run on the engine's thread), the process holds mor
 has cores, and OpenMP then stops spinning between regions: every region of a step wakes its workers from sleep.
 Measured on the 2-core reference machine, SmolLM2-135M W8A8, one sequence: 12-13 ms a token when the steps ran on
 the thread that loaded the model (or when everything ran on one other thread), 20-22 ms when the steps ran on a
-second thread (docs/RESULTS.md, "One forward"). So `Engine.load` loads the model on the engine's thread, and
-the engine's loop runs on it too: the process's only OpenMP team.
+second thread (timed by hand on 2026-11-28, no record kept). So `Engine.load` loads the model on the engine's
+thread, and the engine's loop runs on it too: the process's only OpenMP team.
 """
 
 from __future__ import annotations
