@@ -576,3 +576,17 @@ def test_kernels_and_native_steps_are_ready_before_the_first_request(engine_for,
     assert set(model.lm_head.chosen_kernels()) == {1, 16}
     run_all(engine, prompts(4))
     assert set(engine.decoder._steps) == steps  # nothing more was built while serving
+
+
+def test_what_the_kernels_that_lost_prepared_is_dropped_at_start(engine_for, monkeypatch):
+    """The timing prepares every candidate (repacked copies of the codes for some); once every bucket is chosen,
+    a layer keeps only what its chosen kernels read."""
+    monkeypatch.setenv("LLMEASYQUANT_KERNEL_CHOICE", "measured")
+    model = lq.quantize(family_model("llama"), RTN(), parse_scheme("w4a16-g32"), progress=False)
+    engine_for(model, max_running=2, prefill_chunk=16)
+    layers = [m for m in model.modules() if isinstance(m, lq.QuantLinear)]
+    layers += [m.shared[0].combined for m in layers if m.shared is not None]
+    timed = [layer for layer in layers if layer._kernels]
+    assert timed
+    for layer in timed:
+        assert set(layer._prepared) == {kernel.name for kernel in layer._kernels.values()}

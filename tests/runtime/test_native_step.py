@@ -17,6 +17,7 @@ from llmeasyquant.kernels.cpu import (
     Int8WeightOnlyKernel,
     NativeInt4DigitsKernel,
     NativeInt4Int8Kernel,
+    NativeInt4TilesKernel,
     NativeInt4WeightOnlyKernel,
     NativeInt8Int8Kernel,
     NativeInt8WeightOnlyKernel,
@@ -34,7 +35,8 @@ STEPS = [9, 100, 42, 7]
 # bucket of 16 rows (an 8-token prompt) and of 128 (a 20-token prompt)
 KERNELS = [
     ("w4a16-g32", NativeInt4DigitsKernel.name), ("w4a16-g32-asym", NativeInt4DigitsKernel.name),
-    ("w4a16", NativeInt4DigitsKernel.name), ("w4a16-g32-asym", NativeInt4WeightOnlyKernel.name),
+    ("w4a16", NativeInt4DigitsKernel.name), ("w4a16-g32", NativeInt4TilesKernel.name),
+    ("w4a16-g64-asym", NativeInt4TilesKernel.name), ("w4a16-g32-asym", NativeInt4WeightOnlyKernel.name),
     ("w4a16-g32", Int4WeightOnlyKernel.name), ("w4a16", Int4WeightOnlyKernel.name),
     ("w8a16", NativeInt8WeightOnlyKernel.name), ("w8a16-asym", NativeInt8WeightOnlyKernel.name),
     ("w8a16", Int8WeightOnlyKernel.name), ("w8a16-asym", Int8WeightOnlyKernel.name),

@@ -91,3 +91,14 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped when the last view goes
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
+
+
+def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor on transparent huge pages (huge_page_buffer), or the tensor itself where
+    they are not available: for what a kernel prepares after the weights were moved (nn/placement.py)."""
+    buffer = huge_page_buffer(tensor.numel() * tensor.element_size())
+    if buffer is None:
+        return tensor
+    copy = buffer.view(tensor.dtype).view(tensor.shape)
+    copy.copy_(tensor)
+    return copy

@@ -19,6 +19,7 @@ from llmeasyquant.kernels.cpu import (
     Int8WeightOnlyKernel,
     NativeInt4DigitsKernel,
     NativeInt4Int8Kernel,
+    NativeInt4TilesKernel,
     NativeInt4WeightOnlyKernel,
     NativeInt8Int8Kernel,
     NativeInt8WeightOnlyKernel,
@@ -36,7 +37,8 @@ KERNELS_BY_DEVICE: dict[str, list[Kernel]] = {
     # torch._int_mm's W8A8 before the native one: `first` mode keeps the kernel that every row count runs fast; the
     # W4A16 fixed-point kernel after the fp32-activation one, so that `first` mode keeps 16 bits of every value.
     "cpu": [Int8DynamicActKernel(), NativeInt8Int8Kernel(), NativeInt4Int8Kernel(), NativeInt8WeightOnlyKernel(),
-            Int8WeightOnlyKernel(), NativeInt4WeightOnlyKernel(), NativeInt4DigitsKernel(), Int4WeightOnlyKernel(),
+            Int8WeightOnlyKernel(), NativeInt4WeightOnlyKernel(), NativeInt4DigitsKernel(), NativeInt4TilesKernel(),
+            Int4WeightOnlyKernel(),
             Bf16DequantInt4Kernel()],
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from llmeasyquant.grid import LEVELS, grid_levels
+from llmeasyquant.infra.memory import huge_page_copy
 from llmeasyquant.kernels import native
 from llmeasyquant.kernels.kernel import StepCall
 from llmeasyquant.kernels.scopes import LOAD_WEIGHTS, NATIVE_GEMM, QUANTIZE_ACTIVATIONS, scope
@@ -295,6 +296,40 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
             return StepCall("int4_digits", (layer.qweight, prepared["scales"], prepared["zeros"]))
         zeros = prepared["zeros"].float() if prepared["zeros"] is not None else None  # as run() widens them
         return StepCall("int4_dequant", (layer.qweight, prepared["scales"].float(), zeros))
+
+
+class NativeInt4TilesKernel(NativeInt4DigitsKernel):
+    """Its parent's sums, bit for bit, from the weights repacked when prepared into tiles of 8 channels x 128
+    columns, each tile the channels' codes followed by their scales for those columns (native `int4_tiles_pack`):
+    a thread reads its channels as one sequential run with the scales inline, where the parent reads four far
+    streams of codes and four of scales. The tiles are a second copy of the codes and scales (the layer keeps its
+    own for the other kernels and for prompt rows). Groups of 32 or 64 columns, multiples of 128, or one a row."""
+
+    name = "cpu_native_w4a16_tiles"
+
+    def supports(self, layer) -> bool:
+        group, width = layer.group_size, layer.in_features
+        group_ok = group in (32, 64) or group % 128 == 0 or group >= width
+        return group_ok and super().supports(layer)
+
+    def prepare(self, layer) -> dict:
+        prepared = super().prepare(layer)
+        tiles = native.built().int4_tiles_pack(layer.qweight, prepared["scales"], layer.in_features,
+                                               layer.group_size)
+        # streamed whole every decode step, as the weights are: on 2 MiB pages too (nn/placement.py says why)
+        return {**prepared, "tiles": huge_page_copy(tiles)}
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        if x.shape[0] > self.DIRECT_ROWS:
+            return super().run(layer, x, prepared)
+        with scope(NATIVE_GEMM):
+            return native.built().int4_tiles_matmul(x, prepared["tiles"], prepared["scales"], prepared["zeros"],
+                                                    layer.group_size)
+
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        if rows > self.DIRECT_ROWS:
+            return super().step_call(layer, prepared, rows)
+        return StepCall("int4_tiles", (prepared["tiles"], prepared["scales"], prepared["zeros"]))
 
 
 class Bf16DequantInt4Kernel(NativeInt4WeightOnlyKernel):

@@ -272,6 +272,12 @@ class QuantLinear(nn.Module):
                 self._prepared[kernel.name] = kernel.prepare(self)
         return self._prepared[kernel.name]
 
+    def release_unchosen(self) -> None:
+        """Drop what kernels prepared that no row bucket chose: the timing prepares every candidate (a repacked
+        copy of the codes for some), and only the winners run. A bucket chosen later prepares its winner again."""
+        chosen = {kernel.name for kernel in self._kernels.values()}
+        self._prepared = {name: data for name, data in self._prepared.items() if name in chosen}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
             x = self.input_transform(x)

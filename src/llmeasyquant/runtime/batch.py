@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from llmeasyquant.infra.memory import release_freed_memory
 from llmeasyquant.kernels.choice import ROW_BUCKETS, is_pinned, row_bucket
 from llmeasyquant.nn.positions import row_positions
 from llmeasyquant.nn.qlinear import QuantLinear
@@ -48,7 +49,7 @@ class BatchDecoder:
     def prepare(self, rows: int, head_rows: int) -> None:
         """Choose every quantized linear's kernel, and build the native step, for each row bucket up to `rows` (the
         head's up to `head_rows`) now: otherwise the first step to reach a bucket times the candidates (a second
-        and more on a large head) while its requests wait."""
+        and more on a large head) while its requests wait. Then drop what the kernels that lost prepared."""
         blocks, head = [], getattr(self.parts.lm_head, "__self__", None)
         for block in self.parts.blocks:
             for projection in block.projections:
@@ -61,6 +62,9 @@ class BatchDecoder:
                 self.native_step(bucket)
             if bucket <= row_bucket(head_rows) and isinstance(head, QuantLinear):
                 head.kernel(bucket)
+        for layer in [*blocks, head] if isinstance(head, QuantLinear) else blocks:
+            layer.release_unchosen()
+        release_freed_memory()
 
     def _rms(self, x: torch.Tensor, norm) -> torch.Tensor:
         return self.ops.rms_norm(x, norm.weight, norm.eps) if self.ops is not None else norm(x)

@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_weight_matmul", &int4_weight_matmul);
   m.def("bf16_dot_built", &bf16_dot_built);
   m.def("int4_digits_matmul", &int4_digits_matmul);
+  m.def("int4_tiles_pack", &int4_tiles_pack);
+  m.def("int4_tiles_matmul", &int4_tiles_matmul);
   m.def("int8_weight_matmul", &int8_weight_matmul);
   m.def("int4_int8_matmul", &int4_int8_matmul, py::arg("qx"), py::arg("x_scales"), py::arg("tiled"), py::arg("scales"),
         py::arg("offsets"), py::arg("group_size"), py::arg("out_features"), py::arg("amx") = 1);

@@ -80,6 +80,13 @@ bool has_step_form(const StepLinear& l) {
         return false;
       }
       return l.a.size(0) == l.out_features;
+    case kInt4Tiles:
+      try {
+        check_int4_tiles(l.in_features, l.a, l.b, optional(l.c), l.group_size, l.out_features);
+      } catch (const c10::Error&) {
+        return false;
+      }
+      return true;
     case kInt4Int8:  // symmetric activation codes (zero points take a PyTorch product), per token or per group
       if (l.d.defined() || l.act_qmax < 1 || l.act_qmax > 127 || (l.act_group > 0 && l.in_features % l.act_group))
         return false;
@@ -207,6 +214,9 @@ at::Tensor StepProgram::linear(const StepLinear& l, const at::Tensor& x) const {
     }
     case kInt4Digits:
       y = int4_digits_matmul(x, l.a, l.b, optional(l.c), l.group_size);
+      break;
+    case kInt4Tiles:
+      y = int4_tiles_matmul(x, l.a, l.b, optional(l.c), l.group_size);
       break;
     case kInt4Weight:
       y = int4_weight_matmul(x, l.a, l.b, optional(l.c), l.group_size, true);
@@ -431,6 +441,10 @@ void StepProgram::team_project(const StepBlock& block, int64_t which, const floa
       case kInt4Digits:
         int4_digits_matmul_into(in, step.rows, l.in_features, l.a, l.b, optional(l.c), l.group_size, y, ldo,
                                 epilogue);
+        break;
+      case kInt4Tiles:
+        int4_tiles_matmul_into(in, step.rows, l.in_features, l.a, l.b, optional(l.c), l.group_size, l.out_features, y,
+                               ldo, epilogue);
         break;
       case kInt4Int8: {  // int4_int8_linear's codes: each row (or each group of a row) quantized on its own
         const int64_t groups = activation_groups(l);

@@ -92,6 +92,20 @@ void check_int4_digits(int64_t width, const at::Tensor& packed, const at::Tensor
 void int4_digits_matmul_into(const float* x, int64_t rows, int64_t width, const at::Tensor& packed,
                              const at::Tensor& scales, const c10::optional<at::Tensor>& zeros, int64_t group_size,
                              float* y, int64_t ldy, const Epilogue& epilogue);
+// packed, scales as int4_digits_matmul's -> [ceil(out / 8), ceil(in / 128), bytes] uint8: the codes and scales as
+// weight tiles of 8 channels x 128 columns (matmul_kernels.cpp says why and how)
+at::Tensor int4_tiles_pack(const at::Tensor& packed, const at::Tensor& scales, int64_t in_features, int64_t group_size);
+// The checks of int4_tiles_matmul's weights for rows of `width` values and out_features channels.
+void check_int4_tiles(int64_t width, const at::Tensor& tiles, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& zeros, int64_t group_size, int64_t out_features);
+// x: [rows, in] fp32, tiles from int4_tiles_pack, scales and zeros as int4_digits_matmul's -> [rows, out] fp32
+// (int4_digits_matmul's sums bit for bit)
+at::Tensor int4_tiles_matmul(const at::Tensor& x_in, const at::Tensor& tiles, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& zeros, int64_t group_size);
+// x: [rows, in] fp32 (weights that pass check_int4_tiles), y as int8_weight_matmul_into's
+void int4_tiles_matmul_into(const float* x, int64_t rows, int64_t width, const at::Tensor& tiles,
+                            const at::Tensor& scales, const c10::optional<at::Tensor>& zeros, int64_t group_size,
+                            int64_t out_features, float* y, int64_t ldy, const Epilogue& epilogue);
 // packed, scales as dequantize_int4, levels: [16] or [out, 16] fp32 (a non-uniform grid) -> [out, in] fp32
 at::Tensor dequantize_int4_levels(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& levels_in,
                                   int64_t in_features, int64_t group_size);

@@ -23,6 +23,8 @@
   X(kInt8Dequant, "int8_dequant")                                                                                    \
   /* int4_digits_matmul(x, a = packed, b = scales, c = zeros, group) */                                              \
   X(kInt4Digits, "int4_digits")                                                                                      \
+  /* int4_tiles_matmul(x, a = tiles, b = scales, c = zeros, group) */                                               \
+  X(kInt4Tiles, "int4_tiles")                                                                                        \
   /* int4_weight_matmul(x, a = packed, b = scales, c = zeros, group, bf16 dot products) */                           \
   X(kInt4Weight, "int4_weight")                                                                                      \
   /* dequantize_int4(a = packed, b = scales, c = zeros, in, group), then x @ w^T */                                  \
