@@ -1,5 +1,6 @@
-"""W4A16 decode from weight tiles (native `int4_tiles_pack` / `int4_tiles_matmul`, kernel `cpu_native_w4a16_tiles`):
-the digits kernel's sums, bit for bit, from codes and scales repacked into tiles of 8 channels x 128 columns."""
+"""W4A16 decode from weight tiles (native `int4_tiles_pack` / `int4_tiles_matmul`, read by the digits kernel
+`cpu_native_w4a16_i16` where they hold its groups): the digits kernel's sums, bit for bit, from codes and scales
+repacked into tiles of 8 channels x 128 columns."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tests.kernels.test_native_ops import forced_and_reference, int4_layer, rows
 
 from llmeasyquant.kernels import candidates
 
-KERNEL = "cpu_native_w4a16_tiles"
+KERNEL = "cpu_native_w4a16_i16"
 SCHEMES = ["w4a16", "w4a16-pt", "w4a16-g32", "w4a16-g32-asym", "w4a16-g64-asym", "w4a16-g128", "w4a16-g256-asym"]
 # widths: a last block cut short, an odd width (a padding nibble), one chunk; channels: not a multiple of 8, one
 # tile, a last eighth in several chunks the threads take as they come (1100)
@@ -64,20 +65,25 @@ def test_a_tile_holds_eight_channels_codes_then_their_scales():
 
 
 @pytest.mark.parametrize("count", [1, 16, 17])
-def test_the_kernel_runs_layers_and_is_its_parent_above_sixteen_rows(ops, count):
-    layer = int4_layer("w4a16-g32-asym", 576, 33)
-    assert KERNEL in [k.name for k in candidates(layer)]
+@pytest.mark.parametrize("scheme", ["w4a16-g32-asym", "w4a16-g16"])
+def test_the_digits_kernel_reads_tiles_where_they_hold_its_groups(ops, scheme, count):
+    """The same layer output whichever layout the kernel reads: tiles for g32, the stored codes for g16."""
+    layer = int4_layer(scheme, 576, 33)
+    kernel = next(k for k in candidates(layer) if k.name == KERNEL)
+    prepared = kernel.prepare(layer)
+    assert (prepared["tiles"] is not None) == (scheme == "w4a16-g32-asym")
     x = rows(count, 576)
     found, expected = forced_and_reference(layer, KERNEL, x)
-    digits, _ = forced_and_reference(layer, "cpu_native_w4a16_i16", x)
-    assert torch.equal(found, digits)
-    if count > 16:
+    scales = layer.scales.half()
+    zeros = layer.zeros.half() if layer.zeros is not None else None
+    if count <= 16:
+        digits = ops.int4_digits_matmul(x, layer.qweight, scales, zeros, layer.group_size) + layer.bias.float()
+        assert torch.equal(found, digits)
+    else:
         assert torch.equal(found, expected)
-
-
-@pytest.mark.parametrize("scheme", ["w4a16-g96", "w4a16-g8", "w4a16-g16", "w8a16", "w4a8-g128"])
-def test_the_kernel_is_offered_only_for_the_groups_a_tile_holds(ops, scheme):
-    assert KERNEL not in [k.name for k in candidates(int4_layer(scheme, 576, 8))]
+    call = kernel.step_call(layer, prepared, count)
+    assert call.kind == ("int4_dequant" if count > 16 else "int4_tiles" if prepared["tiles"] is not None
+                         else "int4_digits")
 
 
 def test_tiles_for_other_groups_or_other_weights_are_refused(ops):

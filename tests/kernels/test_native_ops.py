@@ -246,7 +246,7 @@ def test_int8_int8_matmul_holds_the_largest_sums(ops):
 def test_native_w8a8_kernel_gives_the_bits_of_torch_int_mm(ops, in_features, out_features, count):
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(3)) * 0.05
     layer = lq.QuantLinear.from_weight(weight, torch.randn(out_features), lq.parse_scheme("w8a8"))
-    assert [k.name for k in candidates(layer)] == ["cpu_int_mm_w8a8", "cpu_native_w8a8"]
+    assert [k.name for k in candidates(layer)] == ["cpu_int_mm_w8a8", "cpu_native_w8a8", "cpu_fp32_w8a8"]
     x = rows(count, in_features)
     x[:, ::13] *= 5
     found = {}

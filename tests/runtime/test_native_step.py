@@ -12,12 +12,12 @@ from llmeasyquant import LeanDecoder
 from llmeasyquant.kernels import native
 from llmeasyquant.kernels.cpu import (
     Bf16DequantInt4Kernel,
+    FloatInt8Int8Kernel,
     Int4WeightOnlyKernel,
     Int8DynamicActKernel,
     Int8WeightOnlyKernel,
     NativeInt4DigitsKernel,
     NativeInt4Int8Kernel,
-    NativeInt4TilesKernel,
     NativeInt4WeightOnlyKernel,
     NativeInt8Int8Kernel,
     NativeInt8WeightOnlyKernel,
@@ -32,15 +32,16 @@ pytestmark = pytest.mark.skipif(native.ops() is None, reason="needs the fused C+
 
 STEPS = [9, 100, 42, 7]
 # (scheme, kernel forced on every layer): together they run every kind of step_kinds.h, at one row (decode), a
-# bucket of 16 rows (an 8-token prompt) and of 128 (a 20-token prompt)
+# bucket of 16 rows (an 8-token prompt) and of 128 (a 20-token prompt); the digits kernel reads weight tiles where
+# they hold the groups (g32, g64, per channel) and the stored codes elsewhere (g16)
 KERNELS = [
     ("w4a16-g32", NativeInt4DigitsKernel.name), ("w4a16-g32-asym", NativeInt4DigitsKernel.name),
-    ("w4a16", NativeInt4DigitsKernel.name), ("w4a16-g32", NativeInt4TilesKernel.name),
-    ("w4a16-g64-asym", NativeInt4TilesKernel.name), ("w4a16-g32-asym", NativeInt4WeightOnlyKernel.name),
+    ("w4a16", NativeInt4DigitsKernel.name), ("w4a16-g64-asym", NativeInt4DigitsKernel.name),
+    ("w4a16-g16", NativeInt4DigitsKernel.name), ("w4a16-g32-asym", NativeInt4WeightOnlyKernel.name),
     ("w4a16-g32", Int4WeightOnlyKernel.name), ("w4a16", Int4WeightOnlyKernel.name),
     ("w8a16", NativeInt8WeightOnlyKernel.name), ("w8a16-asym", NativeInt8WeightOnlyKernel.name),
     ("w8a16", Int8WeightOnlyKernel.name), ("w8a16-asym", Int8WeightOnlyKernel.name),
-    ("w8a8", NativeInt8Int8Kernel.name), ("w8a8", Int8DynamicActKernel.name),
+    ("w8a8", NativeInt8Int8Kernel.name), ("w8a8", Int8DynamicActKernel.name), ("w8a8", FloatInt8Int8Kernel.name),
     ("w4a8-g32", NativeInt4Int8Kernel.name), ("w4a8-g32-aasym", NativeInt4Int8Kernel.name),
     ("w4a4-g32-aasym-ag32", NativeInt4Int8Kernel.name),
     ("w8a16-asym", ReferenceKernel.name), ("w4a16-g32-asym", ReferenceKernel.name),

@@ -142,6 +142,28 @@ class NativeInt8Int8Kernel(Int8DynamicActKernel):
             return ops.int8_int8_matmul(qx, x_scale, layer.qweight, prepared["scale"], prepared["w_sum"])
 
 
+class FloatInt8Int8Kernel(NativeInt8Int8Kernel):
+    """W8A8 on PyTorch's fp32 GEMM (native `int8_float_matmul`): the same activation codes and weight codes, their
+    products summed in fp32, the codes widened a few MB at a time. The integer kernels' result up to fp32's rounding
+    of sums past 2^24 (relative 2^-24 an addition: far below the activation codes' rounding); scaled as they scale.
+    The fast candidate where the CPU's integer GEMM is slow: without AVX-512 VNNI, torch._int_mm ran 128 rows of
+    576 x 3072 at about 4 GFLOP/s (issue 54), a twentieth of the fp32 GEMM it replaces. Symmetric per-channel
+    weights and dynamic symmetric per-token activations, at any row count (the choice times it where it can win:
+    not at one row, where it has no team form)."""
+
+    name = "cpu_fp32_w8a8"
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        ops = native.built()
+        with scope(QUANTIZE_ACTIVATIONS):
+            qx, x_scale = ops.quantize_rows(x, MIN_SCALE, 127)
+        with scope(NATIVE_GEMM):
+            return ops.int8_float_matmul(qx, x_scale, layer.qweight, prepared["scale"])
+
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        return StepCall("int8_float", (layer.qweight, prepared["scale"]))
+
+
 class Int8WeightOnlyKernel:
     """W8A16: float activations times per-channel int8 weights, zero points folded in as a rank-1 term."""
 
@@ -256,6 +278,12 @@ class NativeInt4WeightOnlyKernel:
         return StepCall(kind, (layer.qweight, prepared["scales"], prepared["zeros"]))
 
 
+def _tiles_hold(layer) -> bool:
+    """Whether native `int4_tiles_pack` takes the layer's groups: 32 or 64 columns, multiples of 128, one a row."""
+    group = layer.group_size
+    return group in (32, 64) or group % 128 == 0 or group >= layer.in_features
+
+
 class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
     """W4A16 decode on integer dot products (native `int4_digits_matmul`): each 32 activations of a row become
     16-bit fixed point, q s with s = max|x| / 32639 over the 32, written as two int8 digits (q = 256 h + l), and the
@@ -264,7 +292,15 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
     to bf16's 8 significant bits; the parent's bf16 path keeps 16 of each value). 1.3-1.9x the parent's speed per
     layer at decode, where decoding each weight in shuffles made the parent compute-bound (docs/RESULTS.md, "W4A16
     on integer dot products"). Uniform 4-bit codes with groups of multiples of 8 columns (or one a row); above
-    DIRECT_ROWS rows it is its parent: the dequantized fp32 weight and GEMM."""
+    DIRECT_ROWS rows it is its parent: the dequantized fp32 weight and GEMM.
+
+    Where the groups are 32 or 64 columns, multiples of 128, or one a row, it reads the codes and scales from a
+    copy made when prepared (native `int4_tiles_pack`, on 2 MiB pages): tiles of 8 channels x 128 columns, each the
+    channels' codes followed by their scales for those columns, so that a thread reads its channels as one
+    sequential run with the scales inline, where the stored layout is read as four far streams of codes and four
+    of scales. The same sums bit for bit; Llama-3.2-1B's W4A16 g32 engine decode 24.8-27.3 ms a token against
+    26.9-29.6 from the stored layout (docs/RESULTS.md, "W4A16 weight tiles"). The copy costs the codes' bytes again
+    (the layer keeps its own for prompt rows and the other kernels)."""
 
     name = "cpu_native_w4a16_i16"
 
@@ -280,56 +316,31 @@ class NativeInt4DigitsKernel(NativeInt4WeightOnlyKernel):
             layer.zeros is None or layer.zeros.dtype in (torch.float16, torch.int8, torch.uint8))
         dtype = torch.float16 if half else torch.float32
         zeros = layer.zeros.to(dtype).contiguous() if layer.zeros is not None else None
-        return {"scales": layer.scales.to(dtype).contiguous(), "zeros": zeros, "levels": None,
-                "qweight": layer.qweight}
+        scales = layer.scales.to(dtype).contiguous()
+        tiles = None
+        if _tiles_hold(layer):  # streamed whole every decode step, as the weights are: on 2 MiB pages too
+            tiles = huge_page_copy(native.built().int4_tiles_pack(layer.qweight, scales, layer.in_features,
+                                                                  layer.group_size))
+        return {"scales": scales, "zeros": zeros, "levels": None, "qweight": layer.qweight, "tiles": tiles}
 
     def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
         if x.shape[0] > self.DIRECT_ROWS:  # the parent's fp32 weight, its scales widened for this call
             zeros = prepared["zeros"].float() if prepared["zeros"] is not None else None
             return super().run(layer, x, {**prepared, "scales": prepared["scales"].float(), "zeros": zeros})
+        ops = native.built()
         with scope(NATIVE_GEMM):
-            return native.built().int4_digits_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"],
-                                                     layer.group_size)
+            if prepared["tiles"] is not None:
+                return ops.int4_tiles_matmul(x, prepared["tiles"], prepared["scales"], prepared["zeros"],
+                                             layer.group_size)
+            return ops.int4_digits_matmul(x, layer.qweight, prepared["scales"], prepared["zeros"], layer.group_size)
 
     def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        if rows <= self.DIRECT_ROWS and prepared["tiles"] is not None:
+            return StepCall("int4_tiles", (prepared["tiles"], prepared["scales"], prepared["zeros"]))
         if rows <= self.DIRECT_ROWS:
             return StepCall("int4_digits", (layer.qweight, prepared["scales"], prepared["zeros"]))
         zeros = prepared["zeros"].float() if prepared["zeros"] is not None else None  # as run() widens them
         return StepCall("int4_dequant", (layer.qweight, prepared["scales"].float(), zeros))
-
-
-class NativeInt4TilesKernel(NativeInt4DigitsKernel):
-    """Its parent's sums, bit for bit, from the weights repacked when prepared into tiles of 8 channels x 128
-    columns, each tile the channels' codes followed by their scales for those columns (native `int4_tiles_pack`):
-    a thread reads its channels as one sequential run with the scales inline, where the parent reads four far
-    streams of codes and four of scales. The tiles are a second copy of the codes and scales (the layer keeps its
-    own for the other kernels and for prompt rows). Groups of 32 or 64 columns, multiples of 128, or one a row."""
-
-    name = "cpu_native_w4a16_tiles"
-
-    def supports(self, layer) -> bool:
-        group, width = layer.group_size, layer.in_features
-        group_ok = group in (32, 64) or group % 128 == 0 or group >= width
-        return group_ok and super().supports(layer)
-
-    def prepare(self, layer) -> dict:
-        prepared = super().prepare(layer)
-        tiles = native.built().int4_tiles_pack(layer.qweight, prepared["scales"], layer.in_features,
-                                               layer.group_size)
-        # streamed whole every decode step, as the weights are: on 2 MiB pages too (nn/placement.py says why)
-        return {**prepared, "tiles": huge_page_copy(tiles)}
-
-    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
-        if x.shape[0] > self.DIRECT_ROWS:
-            return super().run(layer, x, prepared)
-        with scope(NATIVE_GEMM):
-            return native.built().int4_tiles_matmul(x, prepared["tiles"], prepared["scales"], prepared["zeros"],
-                                                    layer.group_size)
-
-    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
-        if rows > self.DIRECT_ROWS:
-            return super().step_call(layer, prepared, rows)
-        return StepCall("int4_tiles", (prepared["tiles"], prepared["scales"], prepared["zeros"]))
 
 
 class Bf16DequantInt4Kernel(NativeInt4WeightOnlyKernel):

@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offsets"), py::arg("group_size"), py::arg("out_features"), py::arg("amx") = 1);
   m.def("amx_int8_usable", &amx_int8_usable);
   m.def("int8_int8_matmul", &int8_int8_matmul);
+  m.def("int8_float_matmul", &int8_float_matmul);
   m.def("stream_xor", &stream_xor);
   m.def("exact_cut_add", &exact_cut_add);
   m.def("gptq_block", &gptq_block);

@@ -1318,8 +1318,10 @@ namespace {
 // in the stored byte order) followed by their scales for those 128 columns, a thread's channels are one run of
 // memory that the prefetchers follow, with the scales inline. The sums are the digits kernel's, bit for bit: the
 // same exact int32 per 8 columns, the same products of weight and activation scales, the same order. One row, two
-// threads, 2 MiB pages, Llama-3.2-1B's layers at g32 on the AMD EPYC (scratch timing, 7 interleaved rounds, the
-// read probe at 34 GB/s): 32.2 GB/s against the digits kernel's 24.9 (docs/RESULTS.md, "W4A16 weight tiles").
+// threads, 2 MiB pages, Llama-3.2-1B's layers at g32 on the AMD EPYC, 7-11 interleaved rounds (the read probe at
+// 34 GB/s): a first scratch version 29-31 GB/s against the digits kernel's 25-27, this one 26-27 (the difference
+// not found); in the engine's 1B decode step 24.8-27.3 ms a token against 26.9-29.6 (docs/RESULTS.md, "W4A16
+// weight tiles"). The tiles must sit on 2 MiB pages as the weights do: on 4 KiB pages the step took 32.7 ms.
 constexpr int64_t kTileWidth = 8;
 constexpr int64_t kTileCodes = kTileWidth * 64;
 constexpr int64_t kTilesAhead = 4;  // tiles prefetched ahead of the one being read
@@ -1565,8 +1567,41 @@ void w8a8_dot(const int8_t* w, int64_t stride, const int8_t* qx, int64_t ldx, in
   for (int r = 0; r < R; ++r)
     for (int s = 0; s < S; ++s) sums[r * S + s] = _mm512_reduce_add_epi32(acc[r][s]);
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// AVX2: u = qx + 128 and the codes widened to 16 bits, 16 columns a step, and vpmaddwd's pairs of products summed
+// into int32 lanes (each pair at most 2 * 255 * 128: exact; vpmaddubsw's 16-bit pair sums would saturate on u).
+// The same int32 sums as the VNNI path: sum(u q), before the 128 * sum(q) correction; columns past a multiple of 16
+// one at a time.
+template <int S, int R>
+void w8a8_dot(const int8_t* w, int64_t stride, const int8_t* qx, int64_t ldx, int64_t width, int32_t* sums) {
+  const __m256i offset = _mm256_set1_epi16(128);
+  __m256i acc[R][S];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 16 <= width; i += 16) {
+    __m256i u[R];
+    for (int r = 0; r < R; ++r)
+      u[r] = _mm256_add_epi16(
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qx + r * ldx + i))), offset);
+    for (int s = 0; s < S; ++s) {
+      const __m256i weights =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + s * stride + i)));
+      for (int r = 0; r < R; ++r) acc[r][s] = _mm256_add_epi32(acc[r][s], _mm256_madd_epi16(u[r], weights));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) {
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[r][s]);
+      int32_t sum = 0;
+      for (const int32_t lane : lanes) sum += lane;
+      for (int64_t k = i; k < width; ++k) sum += (static_cast<int32_t>(qx[r * ldx + k]) + 128) * w[s * stride + k];
+      sums[r * S + s] = sum;
+    }
+}
 #else
-// The same sums one value at a time (CPUs without VNNI; the registry's timing then prefers torch._int_mm), in the
+// The same sums one value at a time (CPUs without AVX2; the registry's timing then prefers torch._int_mm), in the
 // form the vector path leaves them: sum(u q) with u = qx + 128, before the 128 * sum(q) correction.
 template <int S, int R>
 void w8a8_dot(const int8_t* w, int64_t stride, const int8_t* qx, int64_t ldx, int64_t width, int32_t* sums) {
@@ -1624,6 +1659,37 @@ void int8_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t rows
         }
     });
   });
+}
+
+// ==== W8A8 on the fp32 GEMM: for CPUs whose integer GEMM is slow ====
+
+// y[r, o] = float(sum_i qx[r, i] q[o, i]) * x_scales[r] * w_scales[o] with the sum taken by PyTorch's fp32 GEMM on the
+// codes widened to fp32, kFloatCodeChunk values of them at a time (no fp32 copy of the weights is kept). Products of
+// int8 codes are exact in fp32 and so is every partial sum up to 2^24 (1040 products of extreme codes); beyond, each
+// addition rounds (relative 2^-24), far below the rounding of the activation codes themselves. The scaling is
+// dequantize_rows' (the same two products in the same order). Where AVX-512 VNNI is missing, oneDNN's int8 GEMM
+// behind torch._int_mm ran 128 rows of 576 x 3072 at about 4 GFLOP/s (issue 54's AVX2 EPYC): this is the fast
+// candidate there.
+constexpr int64_t kFloatCodeChunk = 1 << 20;
+
+at::Tensor int8_float_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& q_in,
+                             const at::Tensor& w_scales_in) {
+  const at::Tensor qx = input(qx_in, at::kChar, "qx");
+  const at::Tensor x_scales = input(x_scales_in, at::kFloat, "x_scales");
+  const at::Tensor q = input(q_in, at::kChar, "q");
+  const at::Tensor w_scales = input(w_scales_in, at::kFloat, "w_scales");
+  TORCH_CHECK(qx.dim() == 2 && q.dim() == 2 && qx.size(1) == q.size(1), "qx [rows, in] and q [out, in] must share in");
+  TORCH_CHECK(x_scales.numel() == qx.size(0), "x_scales must have one value per row");
+  TORCH_CHECK(w_scales.numel() == q.size(0), "w_scales must have one value per output channel");
+  const int64_t rows = qx.size(0), width = qx.size(1), out = q.size(0);
+  const at::Tensor x = qx.to(at::kFloat);
+  at::Tensor y = at::empty({rows, out}, x_scales.options());
+  const int64_t channels = std::max<int64_t>(1, kFloatCodeChunk / std::max<int64_t>(1, width));
+  for (int64_t first = 0; first < out; first += channels) {
+    const int64_t last = std::min(out, first + channels);
+    y.slice(1, first, last).copy_(at::mm(x, q.slice(0, first, last).to(at::kFloat).t()));
+  }
+  return y.mul_(x_scales.reshape({rows, 1})).mul_(w_scales.reshape({1, out}));
 }
 
 // ==== W4A16 on a non-uniform grid: the weights levels[u] * scale ====

@@ -205,6 +205,11 @@ at::Tensor StepProgram::linear(const StepLinear& l, const at::Tensor& x) const {
       y = dequantize_rows(at::_int_mm(codes, l.a), scales, l.b);
       break;
     }
+    case kInt8Float: {
+      const auto [codes, scales] = quantize_rows(x, min_scale_, 127);
+      y = int8_float_matmul(codes, scales, l.a, l.b);
+      break;
+    }
     case kInt8Dequant: {
       const int64_t out = l.a.size(0), in = l.a.size(1);
       at::Tensor w = l.a.to(at::kFloat);

@@ -138,6 +138,11 @@ void int8_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t rows
                            const float* w_scales, const int32_t* w_sums, int64_t out, float* y, int64_t ldy,
                            const Epilogue& epilogue);
 
+// qx, x_scales, q, w_scales as int8_int8_matmul's -> y: [rows, out] fp32, int8_int8_matmul's result with the sums
+// taken in fp32 (PyTorch's fp32 GEMM on the codes widened a few MB at a time: rounded only past 2^24)
+at::Tensor int8_float_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_in, const at::Tensor& q_in,
+                             const at::Tensor& w_scales_in);
+
 // ==== the read-bandwidth probe (memory_probe.cpp) ====
 
 // buffer: uint8 [n] -> the XOR of its 64-bit words over whole cache lines

@@ -19,6 +19,8 @@
   X(kInt8Int8, "int8_int8")                                                                                          \
   /* quantize_rows(x), _int_mm(.., a = codes as [in, out]), dequantize_rows(.., b = scales) */                       \
   X(kIntMm, "int_mm")                                                                                                \
+  /* quantize_rows(x), int8_float_matmul(.., a = codes, b = scales): the int32 sums taken in fp32 */              \
+  X(kInt8Float, "int8_float")                                                                                        \
   /* the codes a dequantized as (a - c) * b (zero points c where given, scales b per group), then x @ w^T */         \
   X(kInt8Dequant, "int8_dequant")                                                                                    \
   /* int4_digits_matmul(x, a = packed, b = scales, c = zeros, group) */                                              \
