@@ -23,9 +23,12 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/llmeasyquant compare smollm2-135m --schemes $(SCHEMES) --max-windows $(WINDOWS) --text $(TEXT)
 
+# The kernel tests run a second time on the AVX2 build of the native operators (PyTorch's AVX2 kernels too), the
+# instruction-set class of most laptops and many cloud VMs, whatever CPU runs the suite.
 test: install
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q -m "not gpu"
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "not gpu" tests/kernels
 
 lint: install
 	$(PY) -m ruff check src tests benchmarks

@@ -125,3 +125,14 @@ def test_the_machine_names_its_cpu_model(tmp_path: Path) -> None:
     assert record.cpu_model(info) == "AMD EPYC 9R14 96-Core Processor"
     assert record.cpu_model(tmp_path / "missing") == record.platform.processor()
     assert "cpu" in record.machine()
+
+
+def test_the_machine_names_the_instruction_set_class_and_its_overrides(monkeypatch) -> None:
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    found = record.machine()
+    assert found["isa"] == record.torch.backends.cpu.get_cpu_capability()
+    assert "isa_overrides" not in found
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert record.machine()["isa_overrides"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}

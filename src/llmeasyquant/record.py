@@ -56,9 +56,21 @@ def versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+# What narrows the instruction sets a run uses below the CPU's (a session on an AVX-512 machine measures the AVX2
+# class this way: PyTorch's kernels and our native build follow ATEN_CPU_CAPABILITY, oneDNN and MKL their own).
+ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.machine(), "cpu": cpu_model(),
-            "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
+    """The machine a record ran on, with the instruction-set class its kernels used (PyTorch's CPU capability,
+    which names our native build too) and any override of it."""
+    found = {"platform": platform.platform(), "processor": platform.machine(), "cpu": cpu_model(),
+             "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+             "isa": torch.backends.cpu.get_cpu_capability()}
+    overrides = {name: os.environ[name] for name in ISA_OVERRIDES if os.environ.get(name)}
+    if overrides:
+        found["isa_overrides"] = overrides
+    return found
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:

@@ -88,6 +88,7 @@ def test_bench_rows_and_speedups(tiny_llama):
     assert in_layers <= sum(rows[1]["latency_ms_per_token"].values()) * 1.001
     assert rows[0]["latency_layers_ms_per_token"] == {}  # the float model has no quantized layers
     assert rows[0]["decode_speedup"] == 1.0
+    assert rows[1]["slower_than_baseline"] == [key for key in bench_module.SPEEDUPS if rows[1][key] < 1.0]
     assert rows[1]["decode_speedup"] == pytest.approx(rows[1]["decode_tok_s"] / rows[0]["decode_tok_s"])
     with pytest.raises(ValueError, match="bench needs 24"):
         bench({"float": float_model}, prompt[:, :10], SMALL, progress=False)
@@ -166,3 +167,14 @@ def test_auto_runtime_falls_back_where_there_is_no_lean_loop(tiny_gpt2, tiny_lla
     with pytest.raises(ValueError, match="unknown runtime"):
         BenchConfig(runtime="fast")
 
+
+
+def test_a_model_slower_than_its_baseline_is_flagged():
+    base = {"model": "float", "threads": 2, "prefill_tok_s": 100.0, "prefill_long_tok_s": 100.0,
+            "decode_tok_s": 10.0, "weight_bytes_per_token": 4e8, "bandwidth_bound_tok_s": 50.0}
+    slow = {**base, "model": "w4a16", "prefill_speedup": 0.91, "prefill_long_speedup": 1.2, "decode_speedup": 8.6,
+            "slower_than_baseline": ["prefill_speedup"]}
+    fast = {**base, "model": "w8a8", "prefill_speedup": 2.8, "prefill_long_speedup": 2.0, "decode_speedup": 8.8,
+            "slower_than_baseline": []}
+    flagged = [line for line in bench_module.summary_lines([base, slow, fast]) if line.startswith("SLOWER")]
+    assert len(flagged) == 1 and "w4a16 (prefill 0.91x)" in flagged[0]

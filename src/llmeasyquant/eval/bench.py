@@ -30,6 +30,7 @@ from llmeasyquant.eval.speed import (
 )
 from llmeasyquant.infra.memory import huge_page_buffer
 from llmeasyquant.kernels import native
+from llmeasyquant.nn.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,9 @@ def _rows(models: dict[str, nn.Module], runtimes: dict[str, str], rounds: list[d
             row["prefill_speedup"] = row["prefill_tok_s"] / base["prefill_tok_s"]
             row["prefill_long_speedup"] = row["prefill_long_tok_s"] / base["prefill_long_tok_s"]
             row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
+            # a quantized model that loses to the float one somewhere (the float model on our runtime is not flagged)
+            quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+            row["slower_than_baseline"] = [key for key in SPEEDUPS if quantized and row[key] < 1.0]
         if config.breakdown:
             profiled = profile_decode(model, prompt[:, : config.prompt_tokens], runtime=runtimes[name])
             row["latency"] = profiled["total"]
@@ -199,8 +203,13 @@ def thread_counts(text: str | None) -> tuple[int, ...]:
     return counts
 
 
+SPEEDUPS = ("prefill_speedup", "prefill_long_speedup", "decode_speedup")
+
+
 def summary_lines(rows: Sequence[dict]) -> list[str]:
-    """A plain-text table of the rows, for the terminal."""
+    """A plain-text table of the rows, for the terminal, and a line for each quantized model that is slower than
+    the unquantized baseline anywhere: on some CPUs (no AVX-512, no bf16 or int8 dot products) a scheme's kernels can
+    lose to the fp32 GEMM they replace."""
     width = max([5, *(len(r["model"]) for r in rows)])
     head = (f"{'model':{width}s} {'thr':>3s} {'prefill tok/s':>13s} {'×':>5s} {'prefill-long':>12s} {'×':>5s} "
             f"{'decode tok/s':>12s} {'×':>5s} {'batch tok/s':>11s} {'MB/token':>8s} {'bound':>6s}  "
@@ -215,6 +224,12 @@ def summary_lines(rows: Sequence[dict]) -> list[str]:
                      f"{r.get('decode_speedup', float('nan')):5.2f} {r.get('batch_tok_s', float('nan')):11.1f} "
                      f"{r['weight_bytes_per_token'] / 1e6:8.1f} "
                      f"{r['bandwidth_bound_tok_s']:6.0f}  {parts}")
+    for r in rows:
+        if r.get("slower_than_baseline"):
+            slower = ", ".join(f"{key.removesuffix('_speedup').replace('_', '-')} {r[key]:.2f}x"
+                               for key in r["slower_than_baseline"])
+            lines.append(f"SLOWER THAN THE UNQUANTIZED MODEL: {r['model']} ({slower}) on this CPU "
+                         f"({torch.backends.cpu.get_cpu_capability()} kernels)")
     return lines
 
 

@@ -1412,7 +1412,69 @@ void tile_channels(const uint8_t* tiles, const DigitActivations& x, int64_t row,
 }
 #endif
 
-// The same sums one value at a time, for CPUs without AVX-512: int4_digit_channel_scalar's order, from the tiles.
+#if defined(CPU_CAPABILITY_AVX2)
+// acc + the sums of 4 products u * q in each 32-bit lane (u unsigned < 16, q signed): vpmaddubsw's 16-bit pair
+// sums (at most 2 * 15 * 128: never saturated), then vpmaddwd with ones.
+inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i q) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1)));
+}
+
+inline float widen_scale(float value) { return value; }
+inline float widen_scale(at::Half value) { return _cvtsh_ss(value.x); }
+
+// tile_channels for AVX2: the same exact int32 per 8 columns, each 64 bytes of a channel's codes as two halves of
+// 8 lanes; a lane's weight scale is one of the tile's (at most two distinct ones a half). The fp32 sums run in
+// another order than the AVX-512 path's (two 8-lane accumulators, then their lanes), so the bits differ between the
+// two builds; each is deterministic.
+template <int64_t Slots, typename Scale>
+void tile_channels_avx2(const uint8_t* tiles, const DigitActivations& x, int64_t row, float* sums) {
+  constexpr int64_t bytes = kTileCodes + kTileWidth * Slots * static_cast<int64_t>(sizeof(Scale));
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  __m256 total[kTileWidth];
+  for (int64_t c = 0; c < kTileWidth; ++c) total[c] = _mm256_setzero_ps();
+  const uint8_t* tile = tiles;
+  for (int64_t b = 0; b < x.blocks; ++b, tile += bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(tile + kTilesAhead * bytes + line, 0, 3);
+    const int64_t base = row * x.blocks + b;
+    const int8_t* d = x.digits.data() + base * 256;
+    const Scale* stored = reinterpret_cast<const Scale*>(tile + kTileCodes);
+    float scales[kTileWidth * Slots];
+    for (int64_t k = 0; k < kTileWidth * Slots; ++k) scales[k] = widen_scale(stored[k]);
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t at = 32 * half;
+      const auto digits_at = [&](int64_t section) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + section * 64 + at));
+      };
+      const __m256i high_even = digits_at(0), high_odd = digits_at(1), low_even = digits_at(2), low_odd = digits_at(3);
+      const __m256i minus_eight =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.minus_eight.data() + base * 16 + 8 * half));
+      const __m256 activation_scale = _mm256_loadu_ps(x.lane_scales.data() + base * 16 + 8 * half);
+      for (int64_t c = 0; c < kTileWidth; ++c) {
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + c * 64 + at));
+        const __m256i even = _mm256_and_si256(codes, low_mask);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_mask);
+        const __m256i high = dot4_avx2(dot4_avx2(_mm256_setzero_si256(), even, high_even), odd, high_odd);
+        const __m256i low = dot4_avx2(dot4_avx2(minus_eight, even, low_even), odd, low_odd);
+        const __m256i exact = _mm256_add_epi32(_mm256_slli_epi32(high, 8), low);
+        // lanes 8 half + j, j < 4 and j >= 4, read slots (8 half + j) * Slots / 16
+        const float first = scales[c * Slots + (8 * half) * Slots / 16];
+        const float second = scales[c * Slots + (8 * half + 4) * Slots / 16];
+        const __m256 weight_scale = _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first));
+        total[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(weight_scale, activation_scale), total[c]);
+      }
+    }
+  }
+  for (int64_t c = 0; c < kTileWidth; ++c) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, total[c]);
+    float sum = 0.0f;
+    for (const float lane : lanes) sum += lane;
+    sums[c] = sum;
+  }
+}
+#endif
+
+// The same sums one value at a time, for CPUs without AVX2: int4_digit_channel_scalar's order, from the tiles.
 template <typename Scale>
 void tile_channels_scalar(const uint8_t* tiles, int64_t slots, const DigitActivations& x, int64_t row,
                           float* sums) {
@@ -1465,6 +1527,13 @@ void tiles_matmul(const float* x, int64_t rows, int64_t width, const at::Tensor&
           tile_channels<2, Scale>(row_of_tiles, digits, r, sums);
         else
           tile_channels<1, Scale>(row_of_tiles, digits, r, sums);
+#elif defined(CPU_CAPABILITY_AVX2)
+        if (slots == 4)
+          tile_channels_avx2<4, Scale>(row_of_tiles, digits, r, sums);
+        else if (slots == 2)
+          tile_channels_avx2<2, Scale>(row_of_tiles, digits, r, sums);
+        else
+          tile_channels_avx2<1, Scale>(row_of_tiles, digits, r, sums);
 #else
         tile_channels_scalar<Scale>(row_of_tiles, slots, digits, r, sums);
 #endif
