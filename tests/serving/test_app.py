@@ -531,6 +531,13 @@ def test_a_choice_that_fails_cancels_the_others(client: TestClient, engine: Engi
 def test_n_choices_are_all_queued_or_refused_with_429(folder: Path) -> None:
     engine = Engine.load(str(folder), EngineConfig(kv_memory_mb=4, max_running=1, max_queue=1,
                                                    max_context=CONTEXT), NAME)
+    forward = engine.decoder.forward
+
+    def slowed(*args, **kwargs):  # the tiny model's 200 steps can end between two polls of wait_for
+        time.sleep(0.005)
+        return forward(*args, **kwargs)
+
+    engine.decoder.forward = slowed
     with TestClient(build_app(engine, NAME)) as client:
         running = engine.submit([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
         wait_for(lambda: engine.stats().running == 1)  # it holds the one running slot

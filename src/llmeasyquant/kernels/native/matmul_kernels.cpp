@@ -646,6 +646,20 @@ namespace {
 // Blocks of 64 bytes ahead that each tile's stream prefetches.
 constexpr int64_t kW4A8PrefetchBlocks = 16;
 
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// acc + the sums of 4 products u * q in each 32-bit lane (u unsigned < 16, q signed): vpmaddubsw's 16-bit pair
+// sums (at most 2 * 15 * 128: never saturated), then vpmaddwd with ones.
+inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i q) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1)));
+}
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512)
 // acc + the sums of 4 products u * q in each 32-bit lane (u unsigned < 16, q signed): VNNI's one instruction where
 // the CPU has it, else the AVX512-BW pair (the 16-bit pair sums, at most 2 * 15 * 128, never saturate).
@@ -655,12 +669,6 @@ inline __m512i dot4(__m512i acc, __m512i u, __m512i q) {
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, q), _mm512_set1_epi16(1)));
 #endif
-}
-
-inline int32_t four_bytes(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 // y[r, 16 T channels of tiles t..t+T-1] for R activation rows: per group, exact int32 sums of u * qx less the
@@ -724,9 +732,58 @@ void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t 
     }
   }
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// AVX2: tile t's 16 channels as two halves of 8 (32 bytes a block each), every row in turn: the same exact int32 sums
+// per group and the same per-channel fp32 operations in the same order as the AVX-512 path and the scalar one (no
+// sum crosses lanes), so the same bits.
+void w4a8_tile_avx2(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t* qx, int64_t stride,
+                    const int32_t* sums, const float* x_scales, int64_t xg, float* y, int64_t ldy,
+                    const Epilogue& epilogue) {
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const int64_t padded = w.tiles * 16, valid = std::min<int64_t>(16, w.out - t * 16);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256i acc[2];
+    for (int64_t g = 0; g < w.groups; ++g) {
+      acc[0] = acc[1] = _mm256_setzero_si256();
+      const int64_t first = g * w.group_size / 8, last = std::min(w.blocks, (g + 1) * w.group_size / 8);
+      for (int64_t b = first; b < last; ++b) {
+        __builtin_prefetch(w.tiled + (t * w.blocks + b + kW4A8PrefetchBlocks) * 64, 0, 3);
+        const int8_t* row = qx + r * stride + b * 8;
+        const __m256i first4 = _mm256_set1_epi32(four_bytes(row)), second4 = _mm256_set1_epi32(four_bytes(row + 4));
+        for (int64_t h = 0; h < 2; ++h) {
+          const __m256i bytes =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.tiled + (t * w.blocks + b) * 64 + 32 * h));
+          const __m256i low = _mm256_and_si256(bytes, low_mask);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+          acc[h] = dot4_avx2(dot4_avx2(acc[h], low, first4), high, second4);
+        }
+      }
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256i offset =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.offsets + g * padded + t * 16 + 8 * h));
+        acc[h] = _mm256_sub_epi32(acc[h], _mm256_mullo_epi32(offset, _mm256_set1_epi32(sums[r * w.groups + g])));
+        if (w.groups > 1) {
+          const __m256 scale = _mm256_loadu_ps(w.scales + g * padded + t * 16 + 8 * h);
+          const __m256 both = xg > 1 ? _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[r * xg + g])) : scale;
+          total[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h]), both, total[h]);
+        }
+      }
+    }
+    alignas(32) float lanes[16];
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m256 xs = _mm256_set1_ps(xg > 1 ? 1.0f : x_scales[r]);
+      const __m256 scale = _mm256_loadu_ps(w.scales + t * 16 + 8 * h);
+      const __m256 result = w.groups > 1 ? (xg > 1 ? total[h] : _mm256_mul_ps(total[h], xs))
+                                         : _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[h]), xs), scale);
+      _mm256_store_ps(lanes + 8 * h, result);
+    }
+    for (int64_t j = 0; j < valid; ++j) put(epilogue, y + r * ldy, t * 16 + j, lanes[j]);
+  }
+}
 #endif
 
-// The same arithmetic one value at a time, for CPUs without AVX-512.
+// The same arithmetic one value at a time, for CPUs without AVX2.
 void w4a8_tile_scalar(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t* qx, int64_t stride,
                       const int32_t* sums, const float* x_scales, int64_t xg, float* y, int64_t ldy,
                       const Epilogue& epilogue) {
@@ -849,6 +906,9 @@ void w4a8_matmul(const Int4TiledWeights& w, const int8_t* qx, const float* x_sca
         w4a8_rows<kW4A8Rows, 1>(w, t, rows, qx, stride, sums.data(), x_scales, xg, y, ldy, epilogue);
         ++t;
       }
+#elif defined(CPU_CAPABILITY_AVX2)
+      w4a8_tile_avx2(w, t, rows, qx, stride, sums.data(), x_scales, xg, y, ldy, epilogue);
+      ++t;
 #else
       w4a8_tile_scalar(w, t, rows, qx, stride, sums.data(), x_scales, xg, y, ldy, epilogue);
       ++t;
@@ -1413,12 +1473,6 @@ void tile_channels(const uint8_t* tiles, const DigitActivations& x, int64_t row,
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2)
-// acc + the sums of 4 products u * q in each 32-bit lane (u unsigned < 16, q signed): vpmaddubsw's 16-bit pair
-// sums (at most 2 * 15 * 128: never saturated), then vpmaddwd with ones.
-inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i q) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1)));
-}
-
 inline float widen_scale(float value) { return value; }
 inline float widen_scale(at::Half value) { return _cvtsh_ss(value.x); }
 
