@@ -73,3 +73,24 @@ def test_huge_page_buffer_refuses_where_unavailable(monkeypatch) -> None:
     monkeypatch.setattr(memory, "huge_pages_available", lambda: False)
     assert memory.huge_page_buffer(HUGE_PAGE) is None
     assert memory.huge_page_buffer(0) is None
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
+def test_small_huge_page_copies_share_a_mapping_and_keep_their_values() -> None:
+    """Small copies are packed side by side (64-byte aligned) rather than each backed by a 2 MiB page of its own."""
+    first = torch.arange(1000, dtype=torch.int16).reshape(10, 100)
+    second = torch.randn(7, 3)
+    copies = [memory.huge_page_copy(first), memory.huge_page_copy(second)]
+    assert torch.equal(copies[0], first) and torch.equal(copies[1], second)
+    assert copies[0].data_ptr() != first.data_ptr() and copies[0].is_contiguous()
+    assert copies[0].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr()
+    assert copies[1].data_ptr() % 64 == 0
+    large = torch.zeros(memory._HugePageArena.ARENA // 4, dtype=torch.uint8)
+    assert memory.huge_page_copy(large).data_ptr() % HUGE_PAGE == 0  # a mapping of its own
+
+
+def test_huge_page_copy_is_the_tensor_itself_where_unavailable(monkeypatch) -> None:
+    monkeypatch.setattr(memory, "huge_pages_available", lambda: False)
+    monkeypatch.setattr(memory, "_ARENA", memory._HugePageArena())
+    tensor = torch.ones(5)
+    assert memory.huge_page_copy(tensor) is tensor

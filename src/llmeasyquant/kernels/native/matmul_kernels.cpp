@@ -1473,9 +1473,6 @@ void tile_channels(const uint8_t* tiles, const DigitActivations& x, int64_t row,
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2)
-inline float widen_scale(float value) { return value; }
-inline float widen_scale(at::Half value) { return _cvtsh_ss(value.x); }
-
 // tile_channels for AVX2: the same exact int32 per 8 columns, each 64 bytes of a channel's codes as two halves of
 // 8 lanes; a lane's weight scale is one of the tile's (at most two distinct ones a half). The fp32 sums run in
 // another order than the AVX-512 path's (two 8-lane accumulators, then their lanes), so the bits differ between the
@@ -1493,7 +1490,7 @@ void tile_channels_avx2(const uint8_t* tiles, const DigitActivations& x, int64_t
     const int8_t* d = x.digits.data() + base * 256;
     const Scale* stored = reinterpret_cast<const Scale*>(tile + kTileCodes);
     float scales[kTileWidth * Slots];
-    for (int64_t k = 0; k < kTileWidth * Slots; ++k) scales[k] = widen_scale(stored[k]);
+    for (int64_t k = 0; k < kTileWidth * Slots; ++k) scales[k] = widen(stored[k]);
     for (int64_t half = 0; half < 2; ++half) {
       const int64_t at = 32 * half;
       const auto digits_at = [&](int64_t section) {
