@@ -23,12 +23,16 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/llmeasyquant compare smollm2-135m --schemes $(SCHEMES) --max-windows $(WINDOWS) --text $(TEXT)
 
-# The kernel tests run a second time on the AVX2 build of the native operators (PyTorch's AVX2 kernels too), the
-# instruction-set class of most laptops and many cloud VMs, whatever CPU runs the suite.
+# The native kernels' tests run a second time on the AVX2 build of the operators (PyTorch's AVX2 kernels too), the
+# instruction-set class of most laptops and many cloud VMs, whatever CPU runs the suite (about 2 minutes with the
+# build; the whole of tests/kernels there took 2 more).
+AVX2_TESTS = tests/kernels/test_native_ops.py tests/kernels/test_int4_digits.py tests/kernels/test_int4_tiles.py \
+	tests/kernels/test_int8_float.py tests/kernels/test_kernels.py tests/kernels/test_native_team.py
+
 test: install
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q -m "not gpu"
-	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "not gpu" tests/kernels
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "not gpu" $(AVX2_TESTS)
 
 lint: install
 	$(PY) -m ruff check src tests benchmarks
