@@ -19,13 +19,13 @@
   X(kInt8Int8, "int8_int8")                                                                                          \
   /* quantize_rows(x), _int_mm(.., a = codes as [in, out]), dequantize_rows(.., b = scales) */                       \
   X(kIntMm, "int_mm")                                                                                                \
-  /* quantize_rows(x), int8_float_matmul(.., a = codes, b = scales): the int32 sums taken in fp32 */              \
+  /* quantize_rows(x), int8_float_matmul(.., a = codes, b = scales): the int32 sums taken in fp32 */                 \
   X(kInt8Float, "int8_float")                                                                                        \
   /* the codes a dequantized as (a - c) * b (zero points c where given, scales b per group), then x @ w^T */         \
   X(kInt8Dequant, "int8_dequant")                                                                                    \
   /* int4_digits_matmul(x, a = packed, b = scales, c = zeros, group) */                                              \
   X(kInt4Digits, "int4_digits")                                                                                      \
-  /* int4_tiles_matmul(x, a = tiles, b = scales, c = zeros, group) */                                               \
+  /* int4_tiles_matmul(x, a = tiles, b = scales, c = zeros, group) */                                                \
   X(kInt4Tiles, "int4_tiles")                                                                                        \
   /* int4_weight_matmul(x, a = packed, b = scales, c = zeros, group, bf16 dot products) */                           \
   X(kInt4Weight, "int4_weight")                                                                                      \
