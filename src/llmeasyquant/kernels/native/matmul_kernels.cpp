@@ -326,27 +326,52 @@ at::Tensor dequantize_weights(const Int4Weights& weights, int64_t in_features, c
   return w;
 }
 
-// The weights of a bf16 prompt GEMM are dequantized this many fp32 bytes at a time: a block of channels stays in
+// The weights of a bf16 prompt GEMM are dequantized this many bf16 bytes at a time: a block of channels stays in
 // the caches between its dequantization and its GEMM, and no call maps (and faults in) a fresh buffer the size of
 // the whole layer (at Llama-1B shapes, 512 rows: 50 ms a layer against 84-90 whole).
-constexpr int64_t kBf16ChunkBytes = int64_t{4} << 20;
+constexpr int64_t kBf16ChunkBytes = int64_t{2} << 20;
+
+// Channels [first, last) of a W4A16 layer as bf16 [last - first, in]: each row dequantized in fp32 as
+// dequantize_int4 does, into a row buffer that stays in L1, then rounded to bf16 as PyTorch's conversion rounds
+// (the same at::vec::convert): one pass over the chunk instead of an fp32 weight written, read and cast.
+at::Tensor dequantize_bf16_rows(const Int4Weights& weights, int64_t first, int64_t last) {
+  const int64_t width = weights.width;
+  at::Tensor w = at::empty({last - first, width}, at::dtype(at::kBFloat16));
+  auto* pw = reinterpret_cast<c10::BFloat16*>(w.data_ptr<at::BFloat16>());
+  for_rows(last - first, width, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width);
+    for (int64_t r = begin; r < end; ++r) {
+      weights.dequantize_row(first + r, row.data());
+      at::vec::convert(row.data(), pw + r * width, width);
+    }
+  });
+  return w;
+}
+
+// y[:, first, first + block.size(1)) = block widened to fp32 (both row-major; y [rows, out]).
+void widen_into_columns(const at::Tensor& block, at::Tensor& y, int64_t first) {
+  const int64_t rows = block.size(0), cols = block.size(1), out = y.size(1);
+  const auto* pb = reinterpret_cast<const c10::BFloat16*>(block.data_ptr<at::BFloat16>());
+  float* py = y.data_ptr<float>();
+  for_rows(rows, cols, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) at::vec::convert(pb + r * cols, py + r * out + first, cols);
+  });
+}
 
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& zeros, int64_t in_features, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x must be [rows, in_features]");
-  const int64_t out = packed.size(0);
-  const int64_t step = std::max<int64_t>(16, kBf16ChunkBytes / (4 * in_features) / 16 * 16);
+  const Int4Weights weights = int4_weights_of(packed, scales, zeros, in_features, group_size);
+  const int64_t out = weights.out;
+  const int64_t step = std::max<int64_t>(16, kBf16ChunkBytes / (2 * in_features) / 16 * 16);
   const at::Tensor xb = x.to(at::kBFloat16);
-  at::Tensor y = at::empty({x.size(0), out}, x.options().dtype(at::kBFloat16));
+  at::Tensor y = at::empty({x.size(0), out}, x.options().dtype(at::kFloat));
   for (int64_t first = 0; first < out; first += step) {
     const int64_t last = std::min(first + step, out);
-    const c10::optional<at::Tensor> block_zeros =
-        zeros.has_value() ? c10::optional<at::Tensor>(zeros->slice(0, first, last)) : c10::nullopt;
-    const at::Tensor w = dequantize_int4(packed.slice(0, first, last), scales.slice(0, first, last), block_zeros,
-                                         in_features, group_size).to(at::kBFloat16);
-    y.slice(1, first, last).copy_(at::matmul(xb, w.t()));
+    // fp32 sums in oneDNN's bf16 GEMM, its outputs rounded to bf16 (PyTorch's int4 operator's rounding too)
+    widen_into_columns(at::matmul(xb, dequantize_bf16_rows(weights, first, last).t()), y, first);
   }
-  return y.to(at::kFloat);
+  return y;
 }
 
 // ==== W4A16: int4-weight matmul ====
