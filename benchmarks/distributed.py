@@ -1,14 +1,15 @@
 """Distributed quantization and evaluation on SmolLM2-135M: 1 process against 2 gloo ranks (torchrun), per method.
 
-    python benchmarks/distributed.py [--methods rtn,gptq,awq,smoothquant] [--calib-samples 32] [--max-windows 10]
-        [--ranks 2] [--out benchmarks/results/distributed.json]
+    python benchmarks/distributed.py [--methods rtn,gptq,awq,smoothquant,gptaq,zeroquant] [--calib-samples 32]
+        [--max-windows 10] [--ranks 2] [--out benchmarks/results/distributed.json]
 
 For each method the same job runs once in one process (2 threads) and once under `torchrun --nproc_per_node N`
 (1 thread per rank): quantize with the calibration data (the first `calib-samples` 512-token chunks of WikiText-2
 validation), then evaluate on the first `max-windows` 512-token windows of WikiText-2 raw test. Every rank writes
 its integer codes; the parent checks that the ranks agree bit for bit, counts the codes equal to the single
-process's, compares perplexities, and evaluates the distributed run's checkpoint in one process to compare with the
-distributed evaluation of the same weights. Timing and bytes each rank put into collectives per block are recorded.
+process's (and whether every saved tensor is, naming the first that is not), compares perplexities, and evaluates
+the distributed run's checkpoint in one process to compare with the distributed evaluation of the same weights.
+Timing and bytes each rank put into collectives per block are recorded.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMES = {"rtn": "w4a16-g64-asym", "gptq": "w4a16-g64-asym", "awq": "w4a16-g64-asym", "smoothquant": "w8a8"}
-RECIPES = {"rtn": "rtn", "gptq": "gptq", "awq": "awq", "smoothquant": "smoothquant"}
+SCHEMES = {"rtn": "w4a16-g64-asym", "gptq": "w4a16-g64-asym", "awq": "w4a16-g64-asym", "smoothquant": "w8a8",
+           "gptaq": "w4a16-g64-asym", "zeroquant": "w4a8-g64"}
+RECIPES = {"rtn": "rtn", "gptq": "gptq", "awq": "awq", "smoothquant": "smoothquant", "gptaq": "gptaq",
+           "zeroquant": "zeroquant"}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -90,6 +93,7 @@ def compare(method: str, args: argparse.Namespace) -> dict:
     codes = [load_file(base / "multi" / f"rank{r}.safetensors") for r in range(args.ranks)]
     alone = load_file(base / "single" / "rank0.safetensors")
     ranks_agree = all(torch.equal(codes[0][k], c[k]) for c in codes[1:] for k in codes[0])
+    differing = [k for k in alone if not torch.equal(alone[k], codes[0][k])]  # in the model's order
     keys = [k for k in alone if k.endswith("qweight")]
     same = sum(int((alone[k] == codes[0][k]).sum()) for k in keys)
     total = sum(alone[k].numel() for k in keys)
@@ -98,7 +102,9 @@ def compare(method: str, args: argparse.Namespace) -> dict:
     one_process = evaluate_windows({"model": model}, windows, progress=False)["model"]
     return {
         "method": method, "scheme": SCHEMES[method], "ranks": args.ranks, "ranks_bit_identical": ranks_agree,
-        "codes_identical_pct": 100 * same / total, "ppl_single": single["ppl"], "ppl_distributed": multi[0]["ppl"],
+        "checkpoint_identical": not differing, "tensors_differing": len(differing), "tensors": len(alone),
+        "first_difference": differing[0] if differing else None, "codes_identical_pct": 100 * same / total,
+        "ppl_single": single["ppl"], "ppl_distributed": multi[0]["ppl"],
         "ppl_rel_diff": multi[0]["ppl"] / single["ppl"] - 1,
         "eval_rel_diff_same_weights": multi[0]["nll"] / one_process["nll"] - 1,
         "quantize_s_single": single["quantize_s"], "quantize_s_distributed": max(m["quantize_s"] for m in multi),

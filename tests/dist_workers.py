@@ -21,7 +21,8 @@ from llmeasyquant.plan import Plan
 from llmeasyquant.search.mixed_precision import Budget, MixedPrecisionSearch
 
 # The configurations whose codes must be the same on 2 ranks as in one process (tests/infra/test_distributed.py).
-CONFIGS = ("rtn", "gptq-sym", "gptq-asym", "awq", "smoothquant", "mixed")
+CONFIGS = ("rtn", "gptq-sym", "gptq-asym", "gptq-sequential", "gptq-learned", "rotate-gptq", "gptaq", "awq",
+           "smoothquant", "zeroquant", "mixed")
 PLAN_FILE = "plan.json"  # the mixed-precision plan, searched by the test before the ranks start
 
 
@@ -39,13 +40,18 @@ def recipe(name: str) -> list:
             "awq": [lq.AWQ(), lq.RTN()], "mixed": [lq.GPTQ()],
             # alpha searched on the first 5 samples of all: 3 on rank 0, 2 on rank 1
             "smoothquant": [lq.SmoothQuant(alpha="auto", search_samples=5), lq.RTN()],
-            "zeroquant": [lq.ZeroQuant(steps=2)]}[name]
+            # the layers solved on every rank (passes over the block after its first), not shared out
+            "gptq-sequential": [lq.GPTQ(true_sequential=True)], "gptaq": [lq.GPTAQ()],
+            "gptq-learned": [lq.GPTQ()], "rotate-gptq": [lq.Rotate(), lq.GPTQ()],
+            "zeroquant": [lq.ZeroQuant(steps=3, samples=5)]}[name]
 
 
 def scheme(name: str, folder: str | Path | None = None) -> lq.QuantScheme | Plan:
     if name == "mixed":
         return Plan.load(Path(folder, PLAN_FILE))
-    return lq.parse_scheme({"smoothquant": "w8a8", "gptq-sym": "w4a16-g64"}.get(name, "w4a16-g32-asym"))
+    schemes = {"smoothquant": "w8a8", "gptq-sym": "w4a16-g64", "zeroquant": "w4a8-g32",
+               "gptq-learned": "w4a16-g32-learned", "rotate-gptq": "w4a16-g32"}
+    return lq.parse_scheme(schemes.get(name, "w4a16-g32-asym"))
 
 
 def search_plan() -> Plan:

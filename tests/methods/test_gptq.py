@@ -215,12 +215,12 @@ def test_input_groups_follow_the_layers_that_read_one_input(tiny_llama):
     assert input_groups(stats, names) == [names[:3], names[3:4], names[4:6], names[6:]]
 
 
-def test_true_sequential_is_refused_across_ranks(tiny_llama, monkeypatch):
-    from llmeasyquant.infra import distributed
-
-    monkeypatch.setattr(distributed, "active", lambda: True)
-    with pytest.raises(lq.ConfigError, match="one process"):
-        lq.GPTQ(true_sequential=True).apply(tiny_llama.model.layers[0], None)
+def test_quantizers_that_pass_over_the_block_again_are_not_shared_out_over_ranks():
+    """Under torch.distributed the runner shares out only layers that solve on the first pass's statistics; the
+    others run whole on every rank (their equality with one process: tests/infra/test_distributed.py)."""
+    assert lq.GPTQ().solves_apart and lq.RTN().solves_apart and lq.ZeroQuant(lkd=False).solves_apart
+    assert not lq.GPTQ(true_sequential=True).solves_apart
+    assert not lq.GPTAQ().solves_apart and not lq.ZeroQuant().solves_apart
 
 
 def test_cli_true_sequential_reaches_gptq_and_only_gptq(llama_folder, wiki_text, tmp_path):

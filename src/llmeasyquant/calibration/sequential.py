@@ -148,7 +148,7 @@ def _run_sequential(model: nn.Module, recipe: Sequence[Method], plan: dict[str, 
             ctx.float_inputs = float_inputs
             ctx.float_outputs = reference if float_inputs is inputs else run_block(block, float_inputs, kwargs)
         for method in recipe:
-            if distributed.active() and isinstance(method, Quantizer):
+            if distributed.active() and isinstance(method, Quantizer) and method.solves_apart:
                 apply_shared(method, block, ctx)
             else:
                 method.apply(block, ctx)

@@ -8,7 +8,6 @@ import dataclasses
 import torch
 from torch import nn
 
-from llmeasyquant.errors import ConfigError
 from llmeasyquant.infra import distributed
 from llmeasyquant.methods.base import BlockContext, Method, block_input_stats
 from llmeasyquant.models.arch import linear_weight, set_module
@@ -31,11 +30,8 @@ def _empty_quant_linear(module: nn.Module, scheme) -> QuantLinear:
 
 
 def apply_shared(method: Method, block: nn.Module, ctx: BlockContext) -> None:
-    """Run quantizer `method` on this rank's share of the block's layers and exchange the results."""
-    if method.float_path:
-        raise ConfigError(f"{method.name} reads the unquantized model's activations beside the quantized ones "
-                          "(ZeroQuant's layer-by-layer distillation, GPTAQ), which is not shared across ranks yet: "
-                          "run it in one process (ZeroQuant also runs without distillation: --no-lkd)")
+    """Run quantizer `method` (one whose layers solve apart: `Quantizer.solves_apart`) on this rank's share of the
+    block's layers and exchange the results."""
     if method.input_stats:
         # A collective: every rank gathers the statistics of the whole plan before the plan is split.
         ctx.input_stats = block_input_stats(block, ctx, method.input_stats)

@@ -146,6 +146,21 @@ def shard(count: int) -> list[int]:
     return list(range(rank(), count, world()))
 
 
+def gather_dealt(mine: Sequence[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """The first `count` items of a list that `shard` dealt out, on every rank, in the list's order: each
+    broadcast from the rank that holds it (`mine`: this rank's items, in `shard`'s order). Every item has the
+    shape and dtype of this rank's first; alone, `mine[:count]`."""
+    if not active():
+        return list(mine[:count])
+    items = []
+    for index in range(count):
+        owner, position = index % world(), index // world()
+        item = mine[position].clone() if owner == rank() else torch.empty_like(mine[0])
+        broadcast_(item, owner)
+        items.append(item)
+    return items
+
+
 def assign(costs: Sequence[float], ranks: int) -> list[int]:
     """A balanced owner rank per item: longest job first onto the least loaded rank (deterministic)."""
     load = [0.0] * ranks

@@ -90,6 +90,14 @@ class ModelTransform(Transform):
 class Quantizer(Method):
     """Swaps a block's linear layers for QuantLinear (RTN, GPTQ, ZeroQuant); a recipe ends with exactly one."""
 
+    @property
+    def solves_apart(self) -> bool:
+        """Whether each layer's solve reads only the block's statistics as the runner hands them, so that under
+        torch.distributed the layers can be shared out over ranks (calibration/shared_solves.py). A quantizer
+        that passes over the block again (GPTQ's true-sequential groups, GPTAQ, ZeroQuant's distillation) runs
+        whole on every rank instead: its passes' sums are exact over ranks, so every rank makes the same layers."""
+        return True
+
 
 class CacheMethod(ABC):
     """Calibrates a quantized KV cache on the whole quantized model (SimQuant); a recipe holds at most one."""

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.infra import distributed
 from llmeasyquant.methods.base import BlockContext, block_input_stats
 from llmeasyquant.methods.gptq import GPTQ, fixed_threads, input_groups
 from llmeasyquant.methods.gram import ExactGram
@@ -75,7 +76,8 @@ class GPTAQ(GPTQ):
 def paired_products(block: nn.Module, float_block: nn.Module, name: str, ctx: BlockContext
                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(Σ X̃ᵀX̃, Σ X̃ᵀ(X - X̃) [in, in] fp32, tokens) for linear `name`: X̃ its inputs in `block` on the quantized
-    model's activations, X in `float_block` on the unquantized model's, batch by batch."""
+    model's activations, X in `float_block` on the unquantized model's, batch by batch; over every rank's batches
+    under torch.distributed (exact sums, so the same bits as one process)."""
     seen: dict[str, torch.Tensor] = {}
 
     def grab(tag: str):
@@ -98,7 +100,7 @@ def paired_products(block: nn.Module, float_block: nn.Module, name: str, ctx: Bl
     finally:
         for handle in handles:
             handle.remove()
-    return own.reduce(1), shift.reduce(1), tokens
+    return own.reduce(1), shift.reduce(1), int(distributed.all_reduce(torch.tensor(tokens, dtype=torch.int64)))
 
 
 def float_output_target(weight: torch.Tensor, hessian: torch.Tensor, shift: torch.Tensor, damp: float

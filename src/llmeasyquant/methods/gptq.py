@@ -27,8 +27,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from llmeasyquant.errors import ConfigError
-from llmeasyquant.infra import distributed
 from llmeasyquant.kernels.native import ops
 from llmeasyquant.methods.base import BlockContext, Quantizer, block_input_stats, rtn_quant_linear, short_of_tokens
 from llmeasyquant.methods.stats import InputStats, collect_input_stats
@@ -55,10 +53,11 @@ class GPTQ(Quantizer):
     input_stats: ClassVar[frozenset[str]] = frozenset({"hessian"})
     float_path: ClassVar[bool] = False
 
+    @property
+    def solves_apart(self) -> bool:
+        return not self.true_sequential  # each group's statistics come from a pass after the groups before it
+
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
-        if self.true_sequential and distributed.active():
-            raise ConfigError("GPTQ's --true-sequential passes over each block once per input group, which the "
-                              "layers shared out over ranks do not follow yet: run it in one process")
         stats = block_input_stats(block, ctx, self.input_stats)
         if not self.true_sequential:
             self._solve(block, ctx, stats, list(ctx.plan))

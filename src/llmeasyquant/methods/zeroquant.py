@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmeasyquant.errors import ConfigError
+from llmeasyquant.infra import distributed
 from llmeasyquant.kernels.clipping import limit_activations
 from llmeasyquant.methods.base import BlockContext, Quantizer, rtn_quant_linear
 from llmeasyquant.methods.stats import first_output
@@ -81,6 +82,10 @@ class ZeroQuant(Quantizer):
     def float_path(self) -> bool:
         return self.lkd and self.steps > 0 and self.lkd_inputs == "float"
 
+    @property
+    def solves_apart(self) -> bool:
+        return not (self.lkd and self.steps)  # distillation trains the block's layers together
+
     def apply(self, block: nn.Module, ctx: BlockContext) -> None:
         if self.lkd and self.steps and ctx.reference_outputs is not None:
             loss = self._distill(block, ctx)
@@ -95,7 +100,13 @@ class ZeroQuant(Quantizer):
             inputs, targets = ctx.float_inputs, ctx.float_outputs
         else:
             inputs, targets = ctx.inputs, ctx.reference_outputs
-        inputs, targets = inputs[: self.samples], targets[: self.samples]
+        # Every rank trains on the same samples as one process would: the first `samples` of all of them, each
+        # sent from the rank that holds it. Each is a whole sequence from position 0, so their keyword arguments
+        # (positions, rotary tables, the causal mask) are the same: this rank's first serve for all.
+        count = int(distributed.all_reduce(torch.tensor(len(inputs), dtype=torch.int64)))
+        count = count if self.samples is None else min(self.samples, count)
+        inputs, targets = distributed.gather_dealt(inputs, count), distributed.gather_dealt(targets, count)
+        kwargs = [ctx.kwargs[0]] * count if distributed.active() else ctx.kwargs
         originals = {name: block.get_submodule(name) for name in ctx.plan}
         params = [m.weight for m in originals.values()]
         flags = {p: p.requires_grad for p in block.parameters()}
@@ -111,7 +122,7 @@ class ZeroQuant(Quantizer):
                     p.requires_grad_(True)
                 for step in range(self.steps):
                     i = step % len(inputs)
-                    out = first_output(block(inputs[i], **ctx.kwargs[i]))
+                    out = first_output(block(inputs[i], **kwargs[i]))
                     loss = nn.functional.mse_loss(out, targets[i])
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
