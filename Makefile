@@ -28,7 +28,7 @@ demo: install
 # build; the whole of tests/kernels there took 2 more).
 AVX2_TESTS = tests/kernels/test_native_ops.py tests/kernels/test_int4_digits.py tests/kernels/test_int4_tiles.py \
 	tests/kernels/test_int8_float.py tests/kernels/test_kernels.py tests/kernels/test_native_team.py \
-	tests/kernels/test_gptq_block.py
+	tests/kernels/test_gptq_block.py tests/kernels/test_int4_bf16_tiles.py
 
 test: install
 	$(PY) -m ruff check src tests benchmarks

@@ -2,7 +2,7 @@
 against llama.cpp's `llama-bench` on the same bits, rounds interleaved, in one run.
 
     python benchmarks/engine_vs_llama.py --model smollm2-135m --work SCRATCH --llama-bench PATH
-        [--pairs w8a8,w4a16-g32] [--rounds 3] [--threads 2] [--prompt-tokens 128] [--new-tokens 128]
+        [--pairs w8a8,w4a16-g32,w4a8-g32] [--rounds 3] [--threads 2] [--prompt-tokens 128] [--new-tokens 128]
         [--prefill-tokens 512] [--out benchmarks/results/engine_vs_llama.json]
 
 `--model` is a model spec (smollm2-135m, the bundled model) or a Hugging Face folder (a synthetic shape of
@@ -10,7 +10,10 @@ benchmarks/make_synthetic.py: quantized with `--stream`). Matched pairs (PAIRS):
 - `w8a8`: ours RTN W8A8 per channel with the LM head W8A8 (8.0 bits a weight plus a scale a row) against Q8_0, our
   lossless export of RTN W8A16 g32 with its head (8.5 bits): we read 6% fewer bytes, said in every record;
 - `w4a16-g32`: ours RTN W4A16 g32 symmetric with the head W4A16 g32 against the same checkpoint exported to GGUF,
-  Q4_0 throughout, bit for bit the same weights and bytes.
+  Q4_0 throughout, bit for bit the same weights and bytes;
+- `w4a8-g32`: the same weights with int8 activations, one symmetric scale per token per 32 columns (`--act-bits 8
+  --act-group-size 32`), head too, against the same Q4_0 file: the arithmetic of llama.cpp's Q4_0 dot product,
+  which rounds the activations to Q8_0 blocks of 32 (an fp16 scale each, where ours is fp32).
 Each round measures the read bandwidth (eval/bench.py), then, in a shuffled order: ours (weights fused and on 2 MiB
 pages, as `serve` loads them; the KV cache in fp16 as `serve` keeps it) decoding `--new-tokens` greedy tokens after
 a `--prompt-tokens` prompt (ms a token over the steps after the first) and prefilling `--prefill-tokens` tokens in
@@ -47,7 +50,10 @@ from scale_speed import conditions, gguf_bytes_per_token, llama_bench, machine
 PAIRS = {
     "w8a8": (["--bits", "8", "--act-bits", "8"], "w8a8", "Q8_0", (["--bits", "8", "--group-size", "32"], "w8a16-g32")),
     "w4a16-g32": (["--bits", "4", "--group-size", "32"], "w4a16-g32", "Q4_0", None),
+    "w4a8-g32": (["--bits", "4", "--group-size", "32", "--act-bits", "8", "--act-group-size", "32"], "w4a8-g32-ag32",
+                 "Q4_0", None),
 }
+
 def cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "llmeasyquant.cli", "--quiet", *args], check=True)
 

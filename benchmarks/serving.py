@@ -3,12 +3,14 @@ llama.cpp's `llama-server` on the same machine, and transformers' `generate` one
 
     python benchmarks/serving.py [--clients 1,4,16,64] [--rows fp32,w8a16,w8a8,w4a16] [--kv float,4]
         [--llama-server PATH] [--work DIR] [--out benchmarks/results/serving.json]
-    python benchmarks/serving.py --pairs w8a8,w4a16-g32 --rounds 3 --llama-server PATH [--clients 1,4,16,64]
+    python benchmarks/serving.py --pairs w8a8,w4a16-g32,w4a8-g32 --rounds 3 --llama-server PATH [--clients 1,4,16,64]
         [--work DIR] [--out benchmarks/results/serving_pairs.json]
 
 With --pairs, matched bits against llama-server in interleaved rounds (PAIRS): ours W8A8 with the LM head W8A8
 against Q8_0 (our lossless export of RTN W8A16 g32 with its head: 8.5 bits against our 8.0 and a scale a row), and
-ours W4A16 g32 with the head W4A16 g32 against that same checkpoint exported to Q4_0 (the same weights and bytes).
+ours W4A16 g32 with the head W4A16 g32 against that same checkpoint exported to Q4_0 (the same weights and bytes),
+and ours W4A8 g32 with int8 activations scaled per token per 32 columns (head too) against its Q4_0 export: the
+same weights, and the arithmetic of llama.cpp's Q4_0 dot product, which rounds activations to Q8_0 blocks of 32.
 Each round runs every server in a shuffled order; ours serves every level from one start (fp16 KV cache,
 `--max-running` the largest level), llama-server restarts for each level with `-np` equal to its clients and
 `-cb`. Medians over the rounds per server and level.
@@ -57,7 +59,9 @@ SCHEMES = {  # row -> quantize options (RTN), None for the unquantized model
 }
 # pair: (our quantize options, our LM head, the llama.cpp type served beside it)
 PAIRS = {"w8a8": (["--bits", "8", "--act-bits", "8"], "w8a8", "Q8_0"),
-         "w4a16-g32": (["--bits", "4", "--group-size", "32"], "w4a16-g32", "Q4_0")}
+         "w4a16-g32": (["--bits", "4", "--group-size", "32"], "w4a16-g32", "Q4_0"),
+         "w4a8-g32": (["--bits", "4", "--group-size", "32", "--act-bits", "8", "--act-group-size", "32"],
+                      "w4a8-g32-ag32", "Q4_0")}
 COLUMNS = (("server", "server", ""), ("clients", "clients", "d"), ("out tok/s", "output_tok_s", ".1f"),
            ("req/s", "requests_s", ".2f"), ("TTFT p50 ms", "ttft_p50_ms", ".0f"),
            ("TTFT p99 ms", "ttft_p99_ms", ".0f"), ("ITL p50 ms", "itl_p50_ms", ".1f"),
@@ -89,7 +93,7 @@ def q8_0_export(work: Path) -> Path:
 
 
 def pair_gguf(work: Path, pair: str, checkpoint: Path) -> Path:
-    """The GGUF llama-server runs beside `pair`: Q8_0 of RTN W8A16 g32, or our own W4A16 g32 checkpoint as Q4_0."""
+    """The GGUF llama-server runs beside `pair`: Q8_0 of RTN W8A16 g32, or our own W4 g32 checkpoint as Q4_0."""
     if PAIRS[pair][2] == "Q8_0":
         return q8_0_export(work)
     out = work / f"{checkpoint.name}.gguf"
@@ -149,14 +153,21 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             "ignore_eos": True}
     start = time.perf_counter()
     arrivals: list[float] = []
+    finish = None
     async with client.stream("POST", url, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
-            if any(choice.get("text") for choice in chunk.get("choices", [])):
+            if "error" in chunk:  # a failed request must not count as served tokens
+                raise RuntimeError(f"the server streamed an error: {chunk['error']}")
+            choices = chunk.get("choices", [])
+            if any(choice.get("text") for choice in choices):
                 arrivals.append(time.perf_counter())
+            finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), finish)
+    if finish != "length":  # end of sequence is ignored: every request runs to max_tokens
+        raise RuntimeError(f"a request ended with finish_reason {finish!r}, not 'length'")
     return {"start": start, "arrivals": arrivals}
 
 

@@ -418,6 +418,17 @@ def test_3d_input_shape(scheme_name):
     assert layer(torch.randn(1, 1, 3, 64)).shape == (1, 1, 3, 48)
 
 
+@pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g32", "w4a8-g32", "w4a8-ag32-g32",
+                                         "w4a4-aasym-ag32-g32-asym", "w4a4-g64"])
+def test_zero_rows_give_an_empty_output(scheme_name):
+    # A serving step of prompt rows only asks the LM head for no logits; W4A8 with activation groups once raised.
+    layer, reference = layer_pair(scheme_name, 64, 48)
+    for module in (layer, reference):
+        assert module(torch.zeros(0, 64)).shape == (0, 48)
+        y = module(torch.zeros(2, 0, 64, dtype=torch.bfloat16))
+        assert y.shape == (2, 0, 48) and y.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("scheme_name", ["w8a8", "w8a16", "w4a16-g64", "w2a16-g64-asym"])
 def test_bias_is_added(scheme_name):
     weight, bias = make_weight(64, 48, seed=9)

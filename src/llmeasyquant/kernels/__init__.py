@@ -14,6 +14,7 @@ from llmeasyquant.errors import ConfigError
 from llmeasyquant.kernels import choice
 from llmeasyquant.kernels.cpu import (
     Bf16DequantInt4Kernel,
+    Bf16TilesInt4Kernel,
     FloatInt8Int8Kernel,
     Int4WeightOnlyKernel,
     Int8DynamicActKernel,
@@ -36,10 +37,11 @@ KERNELS_BY_DEVICE: dict[str, list[Kernel]] = {
     # The fused-operator weight-only kernels first: fp32 results; they are offered only where kernels/native.py builds.
     # torch._int_mm's W8A8 before the native one: `first` mode keeps the kernel that every row count runs fast; the
     # W4A16 fixed-point kernel after the fp32-activation one, so that `first` mode keeps 16 bits of every value.
-    # The fp32-GEMM W8A8 kernel after the integer ones: `first` mode keeps exact int32 sums.
+    # The fp32-GEMM W8A8 kernel after the integer ones: `first` mode keeps exact int32 sums. The bf16 W4A16 kernels
+    # last: `first` mode keeps 16 bits of every activation.
     "cpu": [Int8DynamicActKernel(), NativeInt8Int8Kernel(), FloatInt8Int8Kernel(), NativeInt4Int8Kernel(),
             NativeInt8WeightOnlyKernel(), Int8WeightOnlyKernel(), NativeInt4WeightOnlyKernel(),
-            NativeInt4DigitsKernel(), Int4WeightOnlyKernel(), Bf16DequantInt4Kernel()],
+            NativeInt4DigitsKernel(), Int4WeightOnlyKernel(), Bf16DequantInt4Kernel(), Bf16TilesInt4Kernel()],
     # Triton kernels; importable without triton, whose absence makes supports() say no.
     "cuda": [TritonW8A8Kernel(), TritonW4A16Kernel()],
 }

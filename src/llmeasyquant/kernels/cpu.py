@@ -7,7 +7,8 @@
 - W8A16: int8 weights with bf16 activations via `aten._weight_int8pack_mm`, or fp32 ones on the native matmul.
 - W4A16: fp32 activations on the native int4 matmul, or for decode 16-bit fixed-point ones on its integer dot
   products; or (and 2/3-bit codes, unpacked from dense storage into
-  nibbles when prepared) `aten._weight_int4pack_mm_for_cpu` with bf16 activations.
+  nibbles when prepared) `aten._weight_int4pack_mm_for_cpu` with bf16 activations; or, for a batch's rows or a
+  prompt's, bf16 activations on bf16 dot products (the codes decoded once a call, exact, in the W4A8 tiles).
   That operator needs the input width divisible by the group size; a partial last group is handled by
   zero-padding the input.
 
@@ -366,6 +367,44 @@ class Bf16DequantInt4Kernel(NativeInt4WeightOnlyKernel):
         return StepCall("int4_bf16", (layer.qweight, prepared["scales"], prepared["zeros"]))
 
 
+class Bf16TilesInt4Kernel:
+    """W4A16 for a batch's rows on bf16 dot products (native `int4_bf16_tiles_matmul`): the W4A8 kernel's tiles of 16
+    channels x 8 columns, each byte decoded once a call into two exact bf16 words (u - 8) that up to 12 rows share, one
+    vdpbf16ps multiplying a row's two activations into the 16 channels' fp32 lanes; each group's sum scaled in fp32,
+    zero points taken off with the group's activation sum. The activations are rounded to bf16 (8 significant bits,
+    as PyTorch's int4 operator and `cpu_bf16_w4a16` round them); the weights, scales and sums are not, where those
+    two round the dequantized weights and the outputs to bf16 as well. Where the CPU has AVX-512 BF16 (elsewhere its
+    one-value-at-a-time form would never win a timing: not offered); last in the registry, so `first` mode keeps 16
+    bits of every activation. Uniform 4-bit codes, integer zero points, groups of multiples of 8 columns (or one a
+    row)."""
+
+    name = "cpu_bf16dot_w4a16"
+
+    def supports(self, layer) -> bool:
+        ops = native.ops()
+        group_ok = layer.group_size % 8 == 0 or layer.group_size >= layer.in_features
+        zeros_ok = layer.zeros is None or bool(torch.equal(layer.zeros.float(), layer.zeros.float().round()))
+        return (layer.scheme.bits == 4 and layer.scheme.grid is None and layer.scheme.act is None and group_ok
+                and zeros_ok and ops is not None and ops.bf16_dot_built())
+
+    def prepare(self, layer) -> dict:
+        # In ordinary memory: a batch's rows make this kernel compute-bound (the serving run on this placement was no
+        # slower), and the 2 MiB pages stay for the copies a one-row decode streams.
+        return int4_tiles(layer, huge_pages=False)
+
+    def run(self, layer, x: torch.Tensor, prepared: dict) -> torch.Tensor:
+        with scope(NATIVE_GEMM):
+            return native.built().int4_bf16_tiles_matmul(x, *self._tensors(layer, prepared), layer.group_size,
+                                                         layer.out_features)
+
+    def step_call(self, layer, prepared: dict, rows: int) -> StepCall | None:
+        return StepCall("int4_bf16_tiles", self._tensors(layer, prepared))
+
+    @staticmethod
+    def _tensors(layer, prepared: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return prepared["tiled"], prepared["scales"], prepared["offsets"] if layer.zeros is not None else None
+
+
 def _grid_levels(layer) -> torch.Tensor | None:
     """A grid layer's levels as the native operators take them: fp32 [16] (a fixed table) or [out, 16] (learned).
     A learned 8-level table (3 bits) sits at indices 4..11, where codes -4..3 plus 8 land; the ends repeat."""
@@ -389,6 +428,21 @@ def tile_int4_codes(codes: torch.Tensor) -> torch.Tensor:
                                        (0, blocks * 8 - width, 0, tiles * 16 - out), value=8)
     grouped = unsigned.reshape(tiles, 16, blocks, 8).permute(0, 2, 1, 3)  # [tiles, blocks, 16 channels, 8 columns]
     return (grouped[..., :4] | (grouped[..., 4:] << 4)).contiguous()
+
+
+def int4_tiles(layer, huge_pages: bool) -> dict:
+    """A 4-bit layer's codes as `tile_int4_codes` lays them out (on 2 MiB pages where `huge_pages`: for a kernel
+    that streams them whole every decode step), with scales and offsets (8 + zero) as [groups, padded out], so that
+    the 16 channels of a tile read theirs as one vector each: what the W4A8 operator and the W4A16 bf16 tiles
+    operator read."""
+    tiled = tile_int4_codes(layer.codes())
+    tiled = huge_page_copy(tiled) if huge_pages else tiled
+    extra = tiled.shape[0] * 16 - layer.out_features
+    offsets = torch.full_like(layer.scales, 8, dtype=torch.int32)
+    if layer.zeros is not None:
+        offsets += layer.zeros.to(torch.int32)
+    return {"tiled": tiled, "scales": torch.nn.functional.pad(layer.scales.float().t(), (0, extra)).contiguous(),
+            "offsets": torch.nn.functional.pad(offsets.t(), (0, extra)).contiguous()}
 
 
 class NativeInt4Int8Kernel:
@@ -420,16 +474,7 @@ class NativeInt4Int8Kernel:
                 and isinstance(act.granularity, PerToken | PerGroup) and group_ok and native.ops() is not None)
 
     def prepare(self, layer) -> dict:
-        tiled = tile_int4_codes(layer.codes())
-        padded = tiled.shape[0] * 16
-        extra = padded - layer.out_features
-        offsets = torch.full_like(layer.scales, 8, dtype=torch.int32)
-        if layer.zeros is not None:
-            offsets += layer.zeros.to(torch.int32)
-        # [groups, padded out]: the 16 channels of a tile read their scales and offsets as one vector each.
-        prepared = {"tiled": tiled,
-                    "scales": torch.nn.functional.pad(layer.scales.float().t(), (0, extra)).contiguous(),
-                    "offsets": torch.nn.functional.pad(offsets.t(), (0, extra)).contiguous()}
+        prepared = int4_tiles(layer, huge_pages=True)
         if not layer.scheme.act.symmetric:
             weight = layer.dequantize()
             prepared["weight_sums"] = (weight.sum(dim=1) if layer.scheme.act.group_size is None

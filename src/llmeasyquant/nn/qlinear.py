@@ -314,6 +314,8 @@ class QuantLinear(nn.Module):
         return twin
 
     def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # e.g. the LM head of a step whose prompt rows want no logits: no kernel to run
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         if x.dim() == 2 and x.dtype == torch.float32:  # the decode loop's case: no reshaping or casting to do
             kernel = self.kernel(x.shape[0])
             y = kernel.run(self, x, self._prepared[kernel.name])

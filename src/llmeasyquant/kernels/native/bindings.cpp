@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_weight_matmul", &int8_weight_matmul);
   m.def("int4_int8_matmul", &int4_int8_matmul, py::arg("qx"), py::arg("x_scales"), py::arg("tiled"), py::arg("scales"),
         py::arg("offsets"), py::arg("group_size"), py::arg("out_features"), py::arg("amx") = 1);
+  m.def("int4_bf16_tiles_matmul", &int4_bf16_tiles_matmul);
   m.def("amx_int8_usable", &amx_int8_usable);
   m.def("int8_int8_matmul", &int8_int8_matmul);
   m.def("int8_float_matmul", &int8_float_matmul);

@@ -993,6 +993,212 @@ void int4_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t xg, 
               width, y, ldy, epilogue);
 }
 
+// ==== W4A16 on bf16 dot products from the W4A8 tiles: many rows sharing each decoded weight ====
+
+namespace {
+
+// The W4A8 tiles (Int4TiledWeights) hold, per 16 output channels and 8 input columns, one 32-bit lane a channel
+// whose byte c carries columns c (low nibble) and c + 4 (high). Each byte becomes one lane of two bf16 words, u - 8
+// of each nibble (small integers: exact), by one word permute of a 32-entry table; one vdpbf16ps then multiplies the
+// 16 channels' pair by a row's two activations (broadcast), adding both products into the channel's fp32 lane. A
+// decoded lane serves up to kBf16TileRows rows, so at a batch's 16 rows the decoding costs a fraction of the dot
+// products: the weights read once a call for all rows, 32 multiply-adds an instruction. The activations are rounded
+// to bf16 once (8 significant bits, as PyTorch's int4 operator and oneDNN's bf16 GEMM round them); the weights stay
+// exact, each group's sum is scaled in fp32, and the zero points' term is taken off as zero * scale * (the group's
+// sum of the rounded activations).
+constexpr int64_t kBf16TileRows = 12;
+
+// x [rows, width] as bf16 pairs in the tiles' order: for row r and block b of 8 columns, pair 4b + c holds columns
+// 8b + c (low word) and 8b + c + 4 (high), rounded to nearest even; columns past the row are zero. With zero
+// points, each row's sum per group of those rounded values.
+struct Bf16Pairs {
+  std::vector<uint32_t> pairs;  // [rows, blocks * 4]
+  std::vector<float> group_sums;  // [rows, groups], only with zero points
+  int64_t stride;
+};
+
+inline float bf16_value(uint32_t bits) {
+  return static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
+}
+
+void bf16_pairs_fill(const float* x, int64_t rows, int64_t width, const Int4TiledWeights& w, bool sums,
+                     Bf16Pairs& out) {
+  out.stride = w.blocks * 4;
+  out.pairs.assign(rows * out.stride, 0);
+  out.group_sums.assign(sums ? rows * w.groups : 0, 0.0f);
+  for_rows(rows, width, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* row = x + r * width;
+      uint32_t* pair = out.pairs.data() + r * out.stride;
+      int64_t b = 0;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+      // two blocks a vector: 16 columns rounded (nearest even, as c10::BFloat16), their words put in pair order
+      const __m256i order = _mm256_setr_epi16(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+      for (; 8 * b + 16 <= width; b += 2) {
+        const __m256i words = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + 8 * b));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pair + 4 * b), _mm256_permutexvar_epi16(order, words));
+      }
+#endif
+      for (; b < w.blocks; ++b)
+        for (int64_t c = 0; c < 4; ++c) {
+          const int64_t low = 8 * b + c, high = low + 4;
+          const c10::BFloat16 lo(low < width ? row[low] : 0.0f), hi(high < width ? row[high] : 0.0f);
+          pair[4 * b + c] = static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(hi.x) << 16);
+        }
+      if (!sums) continue;
+      float* g = out.group_sums.data() + r * w.groups;
+      for (int64_t p = 0; p < w.blocks * 4; ++p) {
+        const int64_t low = 8 * (p / 4) + p % 4;  // the pair's columns: low and low + 4, in one group
+        g[low / w.group_size] += bf16_value(pair[p] & 0xFFFF) + bf16_value(pair[p] >> 16);
+      }
+    }
+  });
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// y[r0 + r, 16 channels of each of tiles t..t+T-1] for R rows: R x T independent sums, each decoded vector of a tile
+// serving R rows.
+template <int R, int T>
+void bf16_tile_rows(const Int4TiledWeights& w, int64_t t, const Bf16Pairs& x, int64_t r0, bool zeros, float* y,
+                    int64_t ldy, const Epilogue& epilogue) {
+  // bf16(u - 8) for u = 0..15 in words 0..15 and again in 16..31: a lane's index words carry one stray bit (bit 4).
+  alignas(64) static const uint16_t kCentred[32] = {
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080,
+      0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80,
+      0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+  const __m512i table = _mm512_load_si512(kCentred);
+  const int64_t padded = w.tiles * 16, per_group = w.group_size / 8;
+  __m512 total[T][R];
+  for (int k = 0; k < T; ++k)
+    for (int r = 0; r < R; ++r) total[k][r] = _mm512_setzero_ps();
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    __m512 acc[T][R];
+    for (int k = 0; k < T; ++k)
+      for (int r = 0; r < R; ++r) acc[k][r] = _mm512_setzero_ps();
+    for (const int64_t end = std::min(w.blocks, b + per_group); b < end; ++b) {
+      __m512i bytes[T];
+      for (int k = 0; k < T; ++k) bytes[k] = _mm512_loadu_si512(w.tiled + ((t + k) * w.blocks + b) * 64);
+      for (int c = 0; c < 4; ++c) {
+        __m512bh weights[T];
+        for (int k = 0; k < T; ++k) {
+          const __m512i e = _mm512_srli_epi32(bytes[k], 8 * c);
+          // word 0: byte c (its low nibble indexes the table), word 1: byte c shifted down 4 (its high nibble)
+          const __m512i index = _mm512_mask_blend_epi16(0xAAAAAAAAu, e, _mm512_slli_epi32(e, 12));
+          weights[k] = (__m512bh)_mm512_permutexvar_epi16(index, table);
+        }
+        const uint32_t* column = x.pairs.data() + r0 * x.stride + 4 * b + c;
+        for (int r = 0; r < R; ++r) {
+          const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(column[r * x.stride]));
+          for (int k = 0; k < T; ++k) acc[k][r] = _mm512_dpbf16_ps(acc[k][r], pair, weights[k]);
+        }
+      }
+    }
+    for (int k = 0; k < T; ++k) {
+      const __m512 scale = _mm512_loadu_ps(w.scales + g * padded + (t + k) * 16);
+      if (zeros) {  // offsets are 8 + zero: take off zero * (the group's activation sum)
+        const __m512 zero = _mm512_cvtepi32_ps(
+            _mm512_sub_epi32(_mm512_loadu_si512(w.offsets + g * padded + (t + k) * 16), _mm512_set1_epi32(8)));
+        for (int r = 0; r < R; ++r)
+          acc[k][r] = _mm512_fnmadd_ps(zero, _mm512_set1_ps(x.group_sums[(r0 + r) * w.groups + g]), acc[k][r]);
+      }
+      for (int r = 0; r < R; ++r) total[k][r] = _mm512_fmadd_ps(acc[k][r], scale, total[k][r]);
+    }
+  }
+  for (int k = 0; k < T; ++k) {
+    const int64_t valid = std::min<int64_t>(16, w.out - (t + k) * 16);
+    for (int r = 0; r < R; ++r) {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, total[k][r]);
+      for (int64_t c = 0; c < valid; ++c) put(epilogue, y + (r0 + r) * ldy, (t + k) * 16 + c, lanes[c]);
+    }
+  }
+}
+
+// bf16_tile_rows for `left` rows, 1 <= left <= R.
+template <int R, int T>
+void bf16_tile_rest(const Int4TiledWeights& w, int64_t t, const Bf16Pairs& x, int64_t r0, int64_t left, bool zeros,
+                    float* y, int64_t ldy, const Epilogue& epilogue) {
+  if constexpr (R > 0) {
+    if (left == R) return bf16_tile_rows<R, T>(w, t, x, r0, zeros, y, ldy, epilogue);
+    bf16_tile_rest<R - 1, T>(w, t, x, r0, left, zeros, y, ldy, epilogue);
+  }
+}
+
+// Up to this many rows two tiles go together, so that a block of few rows still has a dozen independent sums (at 4
+// rows alone, each waited on its dot products' latency).
+constexpr int64_t kBf16PairRows = 6;
+#endif
+
+// The same sums one value at a time (CPUs without AVX-512 BF16): each group's products of the rounded activations
+// and u - 8 in fp32, in column order, then scaled; the bits may differ from the vector path's in the sums' order.
+void bf16_tile_scalar(const Int4TiledWeights& w, int64_t t, const Bf16Pairs& x, int64_t r, bool zeros, float* y,
+                      int64_t ldy, const Epilogue& epilogue) {
+  const int64_t padded = w.tiles * 16, per_group = w.group_size / 8;
+  const uint8_t* tile = w.tiled + t * w.blocks * 64;
+  const uint32_t* pairs = x.pairs.data() + r * x.stride;
+  for (int64_t c = 0; c < std::min<int64_t>(16, w.out - t * 16); ++c) {
+    float total = 0.0f;
+    for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+      float acc = 0.0f;
+      for (const int64_t end = std::min(w.blocks, b + per_group); b < end; ++b)
+        for (int64_t k = 0; k < 4; ++k) {
+          const uint8_t byte = tile[b * 64 + 4 * c + k];
+          const uint32_t pair = pairs[4 * b + k];
+          acc += static_cast<float>((byte & 0x0F) - 8) * bf16_value(pair & 0xFFFF) +
+                 static_cast<float>((byte >> 4) - 8) * bf16_value(pair >> 16);
+        }
+      if (zeros) acc -= static_cast<float>(w.offsets[g * padded + t * 16 + c] - 8) * x.group_sums[r * w.groups + g];
+      total += acc * w.scales[g * padded + t * 16 + c];
+    }
+    put(epilogue, y + r * ldy, t * 16 + c, total);
+  }
+}
+
+void bf16_tiles_matmul(const Int4TiledWeights& w, const float* x, int64_t rows, int64_t width, bool zeros, float* y,
+                       int64_t ldy, const Epilogue& epilogue) {
+  thread_local Bf16Pairs kept;
+  Bf16Pairs local;
+  Bf16Pairs& pairs = llmeasyquant::team::current != nullptr ? kept : local;
+  on_own([&] { bf16_pairs_fill(x, rows, width, w, zeros, pairs); });
+  parallel_range(0, w.tiles, 2, [&](int64_t begin, int64_t end) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    for (int64_t t = begin; t < end;) {
+      const bool two = rows <= kBf16PairRows && t + 1 < end;
+      // equal blocks (16 rows: two of 8, not 12 and 4): a block of few rows waits on its few sums' latency
+      for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t left = rows - r0, blocks = (left + kBf16TileRows - 1) / kBf16TileRows;
+        const int64_t take = (left + blocks - 1) / blocks;
+        if (two)
+          bf16_tile_rest<kBf16PairRows, 2>(w, t, pairs, r0, take, zeros, y, ldy, epilogue);
+        else
+          bf16_tile_rest<kBf16TileRows, 1>(w, t, pairs, r0, take, zeros, y, ldy, epilogue);
+        r0 += take;
+      }
+      t += two ? 2 : 1;
+    }
+#else
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r = 0; r < rows; ++r) bf16_tile_scalar(w, t, pairs, r, zeros, y, ldy, epilogue);
+#endif
+  });
+}
+
+}  // namespace
+
+// x: [rows, in] fp32, tiled/scales/offsets: a W4A8 layer's tiles (int4_int8_matmul's), offsets only where the weights
+// have zero points -> y: [rows, out] fp32, the activations rounded to bf16 and the weights exact (bf16_tiles_matmul).
+at::Tensor int4_bf16_tiles_matmul(const at::Tensor& x_in, const at::Tensor& tiled, const at::Tensor& scales,
+                                  const c10::optional<at::Tensor>& offsets, int64_t group_size, int64_t out_features) {
+  const at::Tensor x = input(x_in, at::kFloat, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  const at::Tensor unit = offsets.has_value() ? *offsets : at::full(scales.sizes(), 8, scales.options().dtype(at::kInt));
+  const Int4TiledWeights w = int4_tiled_weights(x.size(1), tiled, scales, unit, group_size, out_features);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  bf16_tiles_matmul(w, x.data_ptr<float>(), x.size(0), x.size(1), offsets.has_value(), y.data_ptr<float>(),
+                    out_features, Epilogue{});
+  return y;
+}
+
 // ==== W4A16 on integer dot products: the activations as 16-bit fixed point in two int8 digits ====
 
 namespace {

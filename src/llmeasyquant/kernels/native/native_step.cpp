@@ -242,6 +242,9 @@ at::Tensor StepProgram::linear(const StepLinear& l, const at::Tensor& x) const {
     case kInt4Int8:
       y = int4_int8_linear(l, x, min_scale_);
       break;
+    case kInt4Bf16Tiles:
+      y = int4_bf16_tiles_matmul(x, l.a, l.b, optional(l.c), l.group_size, l.out_features);
+      break;
     default:
       TORCH_CHECK(false, "unknown step kind ", l.kind);
   }

@@ -127,6 +127,10 @@ void check_int4_int8(int64_t width, const at::Tensor& tiled, const at::Tensor& s
 void int4_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t xg, int64_t rows, int64_t width,
                            const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& offsets,
                            int64_t group_size, int64_t out_features, float* y, int64_t ldy, const Epilogue& epilogue);
+// x: [rows, in] fp32, tiled, scales as int4_int8_matmul's, offsets (8 + zero) only where the weights have zero
+// points -> [rows, out] fp32: W4A16 on bf16 dot products, the activations rounded to bf16, the weights exact
+at::Tensor int4_bf16_tiles_matmul(const at::Tensor& x_in, const at::Tensor& tiled, const at::Tensor& scales,
+                                  const c10::optional<at::Tensor>& offsets, int64_t group_size, int64_t out_features);
 // Whether this CPU and OS run AMX's int8 tiles (w4a8_amx.cpp)
 bool amx_int8_usable();
 // qx: [rows, in] int8, x_scales: [rows, 1] fp32, q: [out, in] int8, w_scales: [out] fp32, w_sums: [out] int32

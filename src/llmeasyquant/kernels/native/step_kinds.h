@@ -37,7 +37,9 @@
   X(kInt4Pack, "int4_pack")                                                                                          \
   /* per-token (or per-group) activation codes, int4_int8_matmul(.., a = tiles, b = scales, c = offsets), minus the */ \
   /* zero points' term with d (weight sums) when the activations are asymmetric */                                    \
-  X(kInt4Int8, "int4_int8")
+  X(kInt4Int8, "int4_int8")                                                                                          \
+  /* int4_bf16_tiles_matmul(x, a = tiles, b = scales, c = offsets where the weights have zero points, group) */        \
+  X(kInt4Bf16Tiles, "int4_bf16_tiles")
 
 enum StepKind : int64_t {
 #define LLMEASYQUANT_STEP_KIND_ENUM(name, text) name,
