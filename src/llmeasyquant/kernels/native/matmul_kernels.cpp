@@ -876,12 +876,14 @@ void w4a8_rows(const Int4TiledWeights& w, int64_t t, int64_t rows, const int8_t*
 // has them (tests).
 namespace {
 
-// The tiled weights of a W4A8 layer for rows of `width` columns, as int4_int8_matmul takes them (checked).
+// The tiled weights of a W4A8 layer for rows of `width` columns, as int4_int8_matmul takes them (checked). Offsets
+// may be left undefined only where `offsets_optional` (the W4A16 bf16 operator's symmetric weights: null then).
 Int4TiledWeights int4_tiled_weights(int64_t width, const at::Tensor& tiled, const at::Tensor& scales,
-                                    const at::Tensor& offsets, int64_t group_size, int64_t out_features) {
+                                    const at::Tensor& offsets, int64_t group_size, int64_t out_features,
+                                    bool offsets_optional = false) {
   check_cpu(tiled, at::kByte, "tiled");
   check_cpu(scales, at::kFloat, "scales");
-  check_cpu(offsets, at::kInt, "offsets");
+  if (offsets.defined() || !offsets_optional) check_cpu(offsets, at::kInt, "offsets");
   TORCH_CHECK(tiled.dim() == 4 && tiled.size(2) == 16 && tiled.size(3) == 4, "tiled must be [tiles, blocks, 16, 4]");
   const int64_t tiles = tiled.size(0), blocks = tiled.size(1);
   TORCH_CHECK(blocks == (width + 7) / 8, "tiled has ", blocks, " blocks of 8 columns, x has ", width, " columns");
@@ -890,10 +892,10 @@ Int4TiledWeights int4_tiled_weights(int64_t width, const at::Tensor& tiled, cons
   TORCH_CHECK(out_features > 0 && out_features <= tiles * 16, "out_features must fit the tiles");
   const int64_t span = group_size >= width ? blocks * 8 : group_size, groups = (blocks * 8 + span - 1) / span;
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == tiles * 16 &&
-                  offsets.sizes() == scales.sizes(),
+                  (!offsets.defined() || offsets.sizes() == scales.sizes()),
               "scales and offsets must be [groups, tiles * 16] = [", groups, ", ", tiles * 16, "]");
-  return {tiled.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<int32_t>(), tiles, blocks, groups,
-          span, out_features};
+  return {tiled.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+          offsets.defined() ? offsets.data_ptr<int32_t>() : nullptr, tiles, blocks, groups, span, out_features};
 }
 
 // y = qx times the W4A8 weights for qx [rows, stride] (stride = blocks * 8, zero past the row) and x_scales [rows,
@@ -1191,10 +1193,10 @@ at::Tensor int4_bf16_tiles_matmul(const at::Tensor& x_in, const at::Tensor& tile
                                   const c10::optional<at::Tensor>& offsets, int64_t group_size, int64_t out_features) {
   const at::Tensor x = input(x_in, at::kFloat, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
-  const at::Tensor unit = offsets.has_value() ? *offsets : at::full(scales.sizes(), 8, scales.options().dtype(at::kInt));
-  const Int4TiledWeights w = int4_tiled_weights(x.size(1), tiled, scales, unit, group_size, out_features);
+  const Int4TiledWeights w = int4_tiled_weights(x.size(1), tiled, scales, offsets.value_or(at::Tensor()), group_size,
+                                                out_features, /*offsets_optional=*/true);
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  bf16_tiles_matmul(w, x.data_ptr<float>(), x.size(0), x.size(1), offsets.has_value(), y.data_ptr<float>(),
+  bf16_tiles_matmul(w, x.data_ptr<float>(), x.size(0), x.size(1), w.offsets != nullptr, y.data_ptr<float>(),
                     out_features, Epilogue{});
   return y;
 }
