@@ -247,6 +247,8 @@ def paired_rounds(args: argparse.Namespace, levels: list[int], texts: list[list[
                 port = free_port()
                 command = [*ours, str(target), "--port", str(port), "--kv-memory", str(args.kv_memory),
                            "--max-running", str(max(levels)), "--served-model-name", "m"]
+                if args.prefill_chunk:
+                    command += ["--prefill-chunk", str(args.prefill_chunk)]
                 found = measure(name, command, port, "m", levels, texts)
             else:
                 found = []
@@ -333,6 +335,7 @@ def main() -> int:
         protocol = {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True,
                     "requests_per_level": "max(clients, 4)", "threads": 2, "text": "WikiText-2 raw test (shipped)",
                     "kv_cache": "float16", "kv_memory_mb": args.kv_memory, "rounds": args.rounds,
+                    "prefill_chunk": args.prefill_chunk or "server default",
                     "llama_server": "-np CLIENTS -cb, restarted for each level", "machine": machine()}
         command = " ".join(["python", "benchmarks/serving.py", *(Path(a).name if a.startswith("/") else a
                                                                    for a in sys.argv[1:])])

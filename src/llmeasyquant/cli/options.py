@@ -190,8 +190,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
                    help=f"requests waiting for a slot at most; more are refused (default {d.max_queue})")
     g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
-                   help=f"prompt tokens prefilled per step, so long prompts do not stall decoding (default "
-                   f"{d.prefill_chunk})")
+                   help="prompt tokens prefilled per step over all requests; longer prompts run in chunks of "
+                   "this many, so running streams wait at most one chunk's work (default "
+                   f"{d.prefill_chunk}, llama-server's batch size)")
     g.add_argument("--max-context", type=int, metavar="N", help="prompt plus completion tokens per request at most "
                    "(default: the model's positions, at most 4096)")
 

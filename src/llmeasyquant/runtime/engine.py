@@ -7,8 +7,9 @@ One background thread runs steps. Each step:
 3. runs one forward over the rows of every running sequence (runtime/batch.py): one row per decoding sequence, and
    prompt chunks of prefilling ones. Prefill is chunked: a prompt runs in chunks whose ends are aligned to
    multiples of `prefill_chunk` positions, at most `prefill_chunk` prompt tokens a step over all sequences, so a
-   long prompt delays the decoding sequences by one chunk's work per step, never by the whole prompt. Aligned
-   chunks make a sequence's computation the same whatever runs beside it;
+   long prompt delays the decoding sequences by one chunk's work per step, never by the whole prompt, and prompts
+   that arrive together (within the default budget) are prefilled in one step. Aligned chunks cut a prompt at the
+   same positions whatever runs beside it;
 4. chooses every sequence's next token at once (runtime/sampling.py: a constant number of tensor operations
    whatever the batch; each sampled request draws from its own seeded generator, its logit_bias and penalties
    added to its row alone), then, outside the lock, detokenizes each token, cuts stop strings and pushes an event
@@ -78,9 +79,12 @@ class EngineConfig:
     kv_dtype: str = "float16"  # float cache storage: "float16" or "float32"
     max_running: int = 16  # sequences decoded together at most
     max_queue: int = 64  # requests waiting beyond those; more -> QueueFull
-    # Prompt tokens prefilled per step (chunked prefill). On the 2-core reference machine 64 keeps the inter-token
-    # latency p99 of 16 streams within 2.3x its p50 (256: 3.3x) for 5% less throughput (docs/RESULTS.md).
-    prefill_chunk: int = 64
+    # Prompt tokens prefilled per step over all sequences (chunked prefill). 2048, llama-server's batch: requests
+    # that arrive together are prefilled in one step and then decode in step, where a small budget spreads their
+    # prompts over many steps beside the first ones' decode rows (at 64, 16 streams' inter-token latency p99 was
+    # 4.7x its p50 against 1.9x, and throughput 6% lower: docs/RESULTS.md). A smaller value bounds how long one long
+    # prompt stalls the running streams.
+    prefill_chunk: int = 2048
     max_context: int | None = None  # prompt + completion tokens per request (None: the model's, at most 4096)
     seed: int = 0
 
