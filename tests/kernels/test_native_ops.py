@@ -4,6 +4,9 @@ paths that use them against the paths that do not."""
 from __future__ import annotations
 
 import shutil
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -88,6 +91,40 @@ def test_rms_norm_and_gate_mul_match_pytorch(ops, count):
     with pytest.raises(RuntimeError, match="unknown gate activation"):
         ops.gate_mul(gate_up, len(ops.GATE_ACTIVATIONS))
     torch.testing.assert_close(ops.rms_norm(x.t().contiguous().t(), weight, 1e-6), ops.rms_norm(x, weight, 1e-6))
+
+
+def test_operators_let_other_threads_run_python(ops):
+    """A native call releases the GIL: another thread runs Python all through it. (Held, that thread could run only
+    about a switch interval at each end of the timed window: before the call, and after it, before the caller has
+    the GIL back to read the clock; so the middle half of a window of eight intervals and more is what counts.)"""
+    width, interval = 4096, sys.getswitchinterval()
+    x, weight = rows(1, width).expand(12_000, width).contiguous(), torch.randn(width)
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def count() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a core for the counting thread
+    worker = threading.Thread(target=count)
+    try:
+        worker.start()
+        while True:
+            start = time.perf_counter()
+            ops.rms_norm(x, weight, 1e-6)
+            end = time.perf_counter()
+            if end - start > 8 * interval:
+                break
+            x = torch.cat([x, x])  # a faster machine: a longer call
+    finally:
+        done.set()
+        worker.join(timeout=10)
+        torch.set_num_threads(threads)
+    quarter = (end - start) / 4
+    middle = [t for t in stamps if start + quarter < t < end - quarter]
+    assert len(middle) > 100, f"{len(middle)} steps of the other thread in the middle of a {end - start:.3f} s call"
 
 
 @pytest.mark.parametrize("count", [1, 70])

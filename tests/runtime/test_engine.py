@@ -500,6 +500,31 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tenso
         return model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
 
 
+@pytest.mark.parametrize("budget", [16, 200])
+def test_a_step_prefills_at_most_the_budget_and_prompts_sent_together_share_one(engine_for, budget):
+    """`prefill_chunk` prompt tokens a step over all sequences: prompts queued together that fit it are prefilled in
+    one step and then decode in step (llama-server's schedule); over it, they take as many steps as it says."""
+    model = lively()
+    engine = engine_for(model, max_running=4, prefill_chunk=budget)
+    steps: list[int] = []
+    forward = engine.decoder.forward
+
+    def counted(ids, rows, wanted):
+        steps.append(int(ids.shape[0]))
+        return forward(ids, rows, wanted)
+
+    engine.decoder.forward = counted
+    batch = prompts(4)  # 5 + 37 + 20 + 9 = 71 prompt tokens
+    streams = engine.submit_prompts(batch, GREEDY)
+    tokens = [[t for event in stream for t in event.token_ids] for [stream] in streams]
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
+    if budget >= 71:
+        assert steps[:2] == [71, 4]  # every prompt in the first step, then four decode rows
+    else:
+        assert max(steps) <= budget + 4 and sum(1 for rows in steps if rows > 4) >= 71 // budget
+    assert sum(steps) == 71 + 4 * (GREEDY.max_tokens - 1)
+
+
 def test_prompt_logprobs_are_the_models_own_over_every_chunk(engine_for):
     model = lively()
     engine = engine_for(model, kv_dtype="float32")  # the fixture's chunks are 16 tokens: 41 tokens take three
