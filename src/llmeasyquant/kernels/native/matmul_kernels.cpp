@@ -711,9 +711,13 @@ void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t 
   for (int k = 0; k < T; ++k)
     for (int r = 0; r < R; ++r) total[k][r] = _mm512_setzero_ps();
   const int64_t padded = w.tiles * 16;
+  const bool uniform = w.uniform_offset != 0;
   for (int64_t g = 0; g < w.groups; ++g) {
-    for (int k = 0; k < T; ++k)
-      for (int r = 0; r < R; ++r) acc[k][r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = uniform ? _mm512_set1_epi32(-w.uniform_offset * sums[r * w.groups + g])
+                                    : _mm512_setzero_si512();
+      for (int k = 0; k < T; ++k) acc[k][r] = start;
+    }
     const int64_t first = g * w.group_size / 8, last = std::min(w.blocks, (g + 1) * w.group_size / 8);
     for (int64_t b = first; b < last; ++b) {
       __m512i low[T], high[T];
@@ -732,11 +736,14 @@ void w4a8_tiles(const Int4TiledWeights& w, int64_t t, const int8_t* qx, int64_t 
       }
     }
     for (int k = 0; k < T; ++k) {
-      const __m512i offset = _mm512_loadu_si512(w.offsets + g * padded + (t + k) * 16);
       const __m512 scale = _mm512_loadu_ps(w.scales + g * padded + (t + k) * 16);
+      if (!uniform) {
+        const __m512i offset = _mm512_loadu_si512(w.offsets + g * padded + (t + k) * 16);
+        for (int r = 0; r < R; ++r)
+          acc[k][r] = _mm512_sub_epi32(acc[k][r],
+                                       _mm512_mullo_epi32(offset, _mm512_set1_epi32(sums[r * w.groups + g])));
+      }
       for (int r = 0; r < R; ++r) {
-        acc[k][r] = _mm512_sub_epi32(acc[k][r],
-                                     _mm512_mullo_epi32(offset, _mm512_set1_epi32(sums[r * w.groups + g])));
         if (w.groups > 1) {
           const __m512 both = xg > 1 ? _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[r * xg + g])) : scale;
           total[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k][r]), both, total[k][r]);
@@ -990,9 +997,17 @@ void check_int4_int8(int64_t width, const at::Tensor& tiled, const at::Tensor& s
 
 void int4_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t xg, int64_t rows, int64_t width,
                            const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& offsets,
-                           int64_t group_size, int64_t out_features, float* y, int64_t ldy, const Epilogue& epilogue) {
-  w4a8_matmul(int4_tiled_weights(width, tiled, scales, offsets, group_size, out_features), qx, x_scales, xg, rows,
-              width, y, ldy, epilogue);
+                           int64_t group_size, int64_t out_features, int32_t uniform_offset, float* y, int64_t ldy,
+                           const Epilogue& epilogue) {
+  Int4TiledWeights w = int4_tiled_weights(width, tiled, scales, offsets, group_size, out_features);
+  w.uniform_offset = uniform_offset;
+  w4a8_matmul(w, qx, x_scales, xg, rows, width, y, ldy, epilogue);
+}
+
+int32_t uniform_offset(const at::Tensor& offsets) {
+  if (offsets.numel() == 0) return 0;
+  const int32_t first = offsets.flatten()[0].item<int32_t>();
+  return first != 0 && offsets.eq(first).all().item<bool>() ? first : 0;
 }
 
 // ==== W4A16 on bf16 dot products from the W4A8 tiles: many rows sharing each decoded weight ====

@@ -169,6 +169,7 @@ StepLinear step_linear(int64_t kind, const std::vector<c10::optional<at::Tensor>
   l.act_qmin = ints[3], l.act_qmax = ints[4], l.act_group = ints[5], l.padded_in = ints[6];
   l.team = has_step_form(l);
   if (l.team && l.bias.has_value()) l.bias32 = l.bias->to(at::kFloat).contiguous();
+  if (l.team && kind == kInt4Int8) l.uniform_offset = uniform_offset(l.c);
   return l;
 }
 
@@ -459,7 +460,7 @@ void StepProgram::team_project(const StepBlock& block, int64_t which, const floa
         quantize_rows_into(in, step.rows * groups, l.in_features / groups, min_scale_, l.act_qmax, step.codes.data(),
                            step.row_scales.data());
         int4_int8_matmul_into(step.codes.data(), step.row_scales.data(), groups, step.rows, l.in_features, l.a, l.b,
-                              l.c, l.group_size, l.out_features, y, ldo, epilogue);
+                              l.c, l.group_size, l.out_features, l.uniform_offset, y, ldo, epilogue);
         break;
       }
       default:  // team_covers let in only the kinds above

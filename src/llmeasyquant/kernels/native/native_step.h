@@ -17,6 +17,7 @@ struct StepLinear {
   c10::optional<at::Tensor> bias;
   int64_t group_size = 0, in_features = 0, out_features = 0;
   int64_t act_qmin = 0, act_qmax = 0, act_group = 0, padded_in = 0;
+  int32_t uniform_offset = 0;  // W4A8: the offset all of c's entries equal (operators.h), else 0
   // Whether the team runs it (its kind has a step form, its tensors passed that form's checks), and its bias as the
   // fp32 the per-op path adds (undefined without).
   bool team = false;

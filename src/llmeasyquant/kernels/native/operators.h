@@ -123,10 +123,15 @@ at::Tensor int4_int8_matmul(const at::Tensor& qx_in, const at::Tensor& x_scales_
 void check_int4_int8(int64_t width, const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& offsets,
                      int64_t group_size, int64_t out_features);
 // qx: [rows, width] int8, x_scales: [rows, xg] fp32 (xg: 1, or the weights' groups), the weights as check_int4_int8
-// takes them; y as int8_weight_matmul_into's (never on AMX: the step's few rows take the VNNI loop)
+// takes them, uniform_offset as uniform_offset(offsets) gives it; y as int8_weight_matmul_into's (never on AMX: the
+// step's few rows take the VNNI loop)
 void int4_int8_matmul_into(const int8_t* qx, const float* x_scales, int64_t xg, int64_t rows, int64_t width,
                            const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& offsets,
-                           int64_t group_size, int64_t out_features, float* y, int64_t ldy, const Epilogue& epilogue);
+                           int64_t group_size, int64_t out_features, int32_t uniform_offset, float* y, int64_t ldy,
+                           const Epilogue& epilogue);
+// The offset every entry of a W4A8 layer's offsets equals (8 for symmetric weights), or 0 where they differ: read
+// once when a step is built, so that the kernel can start each group's sums at -offset * the activations' sum.
+int32_t uniform_offset(const at::Tensor& offsets);
 // x: [rows, in] fp32, tiled, scales as int4_int8_matmul's, offsets (8 + zero) only where the weights have zero
 // points -> [rows, out] fp32: W4A16 on bf16 dot products, the activations rounded to bf16, the weights exact
 at::Tensor int4_bf16_tiles_matmul(const at::Tensor& x_in, const at::Tensor& tiled, const at::Tensor& scales,

@@ -15,11 +15,14 @@
 // `scales` [groups, padded out] fp32 and `offsets` [groups, padded out] int32 (8 + zero, so that
 // sum_i (code_i - zero) qx_i = sum_i u_i qx_i - offset * sum_i qx_i, exact in int32 per group). `group_size` is
 // the columns a group spans (the padded row when one group covers it).
+// `uniform_offset`, where not 0, says every offset equals it (symmetric weights: 8), so a group's sums can start at
+// -offset * the activations' sum instead of taking a per-channel product after (the same integers).
 struct Int4TiledWeights {
   const uint8_t* tiled;
   const float* scales;
   const int32_t* offsets;
   int64_t tiles, blocks, groups, group_size, out;
+  int32_t uniform_offset = 0;
 };
 
 // Whether this CPU and OS run AMX's int8 tiles (asks Linux for the tile state once).
